@@ -1,0 +1,11 @@
+"""jaccum: exact, fast gradient accumulation for JAX, Flax and optax."""
+
+from jaccum._accumulate import accumulate
+from jaccum._microbatch import split_microbatches
+
+__version__ = "0.1.0"
+
+__all__ = [
+  "accumulate",
+  "split_microbatches",
+]

@@ -1,0 +1,282 @@
+"""`accumulate`: run a gradient function over K micro-batches in one `lax.scan`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaccum import _reduce
+from jaccum._microbatch import (
+  Split,
+  check_batch,
+  check_num_microbatches,
+  check_split,
+  take_microbatch,
+)
+
+
+def _check_argnum(value: Any, name: str) -> int | None:
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(f"{name} must be an int or None, got {value!r}.")
+  return int(value)
+
+
+def _check_batch_argnums(batch_argnums: Any) -> tuple[int, ...]:
+  argnums = (
+    (batch_argnums,) if isinstance(batch_argnums, int | np.integer) else batch_argnums
+  )
+  if (
+    isinstance(batch_argnums, bool)
+    or not isinstance(argnums, Sequence)
+    or not argnums
+    or any(isinstance(i, bool) or not isinstance(i, int | np.integer) for i in argnums)
+  ):
+    raise TypeError(
+      f"batch_argnums must be an int or a non-empty sequence of ints, "
+      f"got {batch_argnums!r}."
+    )
+  return tuple(int(i) for i in argnums)
+
+
+def _normalize(argnum: int, num_args: int, name: str) -> int:
+  if not -num_args <= argnum < num_args:
+    raise ValueError(
+      f"{name}={argnum} is out of range for a call with {num_args} positional "
+      f"argument{'s' if num_args != 1 else ''}."
+    )
+  return argnum % num_args
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return x.ndim == 0
+  # Legacy raw keys from `jax.random.PRNGKey`: uint32[2] (or [4] for rbg).
+  return dtype == np.uint32 and getattr(x, "shape", None) in ((2,), (4,))
+
+
+def _check_state_output(out: Any, state: Any) -> Any:
+  """Checks that a micro-step returned `(out, new_state)` matching `state`."""
+  if not isinstance(out, tuple | list) or len(out) != 2:
+    raise TypeError(
+      "with state_argnum set, grad_fn must return (out, new_state), "
+      f"got {type(out).__name__} {jax.tree.structure(out)}."
+    )
+  new_state = out[1]
+  if jax.tree.structure(new_state) != jax.tree.structure(state):
+    raise TypeError(
+      "with state_argnum set, grad_fn must return new_state with the "
+      f"structure of the state argument {jax.tree.structure(state)}, "
+      f"got {jax.tree.structure(new_state)}."
+    )
+  for (path, new), old in zip(
+    jax.tree_util.tree_flatten_with_path(new_state)[0],
+    jax.tree.leaves(state),
+    strict=True,
+  ):
+    old_type = (jnp.shape(old), jnp.result_type(old))
+    new_type = (jnp.shape(new), jnp.result_type(new))
+    if old_type != new_type:
+      raise TypeError(
+        f"new_state{jax.tree_util.keystr(path)} must keep the state's shape and "
+        f"dtype {old_type[0]} {old_type[1]}, got {new_type[0]} {new_type[1]}."
+      )
+  return out
+
+
+def _check_weight(weight: Any) -> jax.Array:
+  numeric = isinstance(weight, int | float | jax.Array | np.ndarray | np.generic)
+  if not numeric or isinstance(weight, bool) or jnp.result_type(weight) == np.bool_:
+    raise TypeError(
+      "weight_fn must return a numeric scalar (e.g. the number of real "
+      f"tokens), got {type(weight).__name__} {weight!r:.60}."
+    )
+  if jnp.ndim(weight) != 0:
+    raise ValueError(
+      f"weight_fn must return a scalar, got shape {jnp.shape(weight)}; "
+      "reduce it, e.g. `mask.sum()`."
+    )
+  return jnp.asarray(weight)
+
+
+def accumulate(
+  grad_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  batch_argnums: int | Sequence[int] = 1,
+  reduce: Any = "mean",
+  weight_fn: Callable[..., Any] | None = None,
+  accum_dtype: Any = jnp.float32,
+  rng_argnum: int | None = None,
+  state_argnum: int | None = None,
+  split: Split = "strided",
+  unroll: int | bool = 1,
+) -> Callable[..., Any]:
+  """Runs `grad_fn` over `num_microbatches` micro-batches and combines the outputs.
+
+  The returned function takes the same arguments as `grad_fn` and returns the
+  same structure. The arguments in `batch_argnums` are split on axis 0 into K
+  micro-batches; the others (params, …) go whole to every micro-step. The loop
+  is one `lax.scan`, so compile time does not grow with K, and each
+  micro-batch is sliced out of the batch inside the loop, so memory holds one
+  micro-batch's work plus one accumulator. It computes, for `"mean"` leaves::
+
+    def accumulated(*args):
+      for k in range(K):
+        micro_args = args with each batch argument cut to micro-batch k
+        out_k, w_k = grad_fn(*micro_args), weight_fn(*micro_args)  # w_k = 1 without
+      return sum(w_k * out_k) / sum(w_k)                           # 0 if sum(w_k) == 0
+
+  For a loss that is a mean over examples, `"mean"` makes every leaf equal to
+  `grad_fn` on the whole batch; for a mean over tokens, `weight_fn` returning
+  each micro-batch's token count does the same however unevenly tokens fall.
+
+  Args:
+    grad_fn: any function, typically `jax.grad(loss)` or
+      `jax.value_and_grad(loss, has_aux=True)`.
+    num_microbatches: the number of micro-batches K, a static positive int
+      that divides the batch size N.
+    batch_argnums: the positional argument(s) holding the batch; all their
+      leaves must share the leading size N.
+    reduce: how to combine each output leaf: `"mean"`, `"sum"`, `"concat"`
+      (per-example outputs, returned in the original row order), `"last"` or
+      `"max"`; a string for all leaves or a pytree prefix of the output.
+    weight_fn: `weight_fn(*micro_args) -> scalar`; turns every `"mean"` leaf
+      into the weighted mean `Σ w_k out_k / Σ w_k`. A micro-batch of weight 0
+      contributes nothing, even if its output is NaN; a total of 0 gives zeros.
+    accum_dtype: floating `"mean"`/`"sum"` leaves narrower than this are
+      accumulated in it and cast back at the end; `None` keeps each leaf's
+      dtype.
+    rng_argnum: the positional argument holding a PRNG key; micro-batch k gets
+      `jax.random.fold_in(key, k)`.
+    state_argnum: the positional argument holding state that `grad_fn`
+      updates (e.g. BatchNorm `batch_stats`): `grad_fn` returns
+      `(out, new_state)`, micro-batch k+1 sees the state micro-batch k
+      returned, and the result is `(reduced_out, final_state)`.
+    split: `"strided"` (micro-batch k holds rows k, k+K, …: a batch sharded
+      over devices stays sharded with no data movement) or `"contiguous"`.
+    unroll: passed to `lax.scan`.
+
+  Returns:
+    A function with `grad_fn`'s signature, usable with or without `jit`.
+
+  Raises:
+    TypeError, ValueError: on bad arguments, when `accumulate` is called or
+      when the returned function is traced; the message names the argument or
+      the leaf path.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> def loss(w, batch):
+    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> w = jnp.ones(3)
+    >>> batch = {"x": jnp.arange(24.0).reshape(8, 3), "y": jnp.arange(8.0)}
+    >>> grads = jax.jit(jaccum.accumulate(jax.grad(loss), 4))(w, batch)
+    >>> bool(jnp.allclose(grads, jax.grad(loss)(w, batch)))
+    True
+  """
+  num_microbatches = check_num_microbatches(num_microbatches)
+  batch_argnums = _check_batch_argnums(batch_argnums)
+  rng_argnum = _check_argnum(rng_argnum, "rng_argnum")
+  state_argnum = _check_argnum(state_argnum, "state_argnum")
+  split = check_split(split)
+  accum_dtype = _reduce.check_accum_dtype(accum_dtype)
+  _reduce.check_reduce_spec(reduce)
+  if weight_fn is not None and not callable(weight_fn):
+    raise TypeError(f"weight_fn must be callable or None, got {weight_fn!r}.")
+
+  @functools.wraps(grad_fn)
+  def accumulated(*args, **kwargs):
+    num_args = len(args)
+    argnums = tuple(_normalize(i, num_args, "batch_argnums") for i in batch_argnums)
+    rng = None if rng_argnum is None else _normalize(rng_argnum, num_args, "rng_argnum")
+    state_at = (
+      None
+      if state_argnum is None
+      else _normalize(state_argnum, num_args, "state_argnum")
+    )
+    for name, other in (("rng_argnum", rng), ("state_argnum", state_at)):
+      if other is not None and other in argnums:
+        raise ValueError(
+          f"{name}={other} is also in batch_argnums={batch_argnums}; the "
+          "batch, the key and the state must be different arguments."
+        )
+    if rng is not None and rng == state_at:
+      raise ValueError(f"rng_argnum and state_argnum are both {rng}.")
+    if rng is not None and not _is_key(args[rng]):
+      got = getattr(args[rng], "aval", None) or type(args[rng]).__name__
+      raise TypeError(
+        f"rng_argnum={rng_argnum} must point at a PRNG key (jax.random.key "
+        f"or jax.random.PRNGKey), got {got}."
+      )
+
+    batch_size = check_batch(
+      [args[i] for i in argnums],
+      num_microbatches,
+      names=[f"args[{i}]" for i in argnums],
+    )
+    microbatch_size = batch_size // num_microbatches
+
+    def micro_args(index, state):
+      new = list(args)
+      for i in argnums:
+        new[i] = jax.tree.map(
+          lambda x: take_microbatch(x, index, num_microbatches, split), args[i]
+        )
+      if rng is not None:
+        new[rng] = jax.random.fold_in(args[rng], index)
+      if state_at is not None:
+        new[state_at] = state
+      return new
+
+    def micro_step(index, state):
+      step_args = micro_args(index, state)
+      out = grad_fn(*step_args, **kwargs)
+      new_state = state
+      if state_at is not None:
+        out, new_state = _check_state_output(out, args[state_at])
+      weight = None if weight_fn is None else _check_weight(weight_fn(*step_args))
+      return out, new_state, weight
+
+    state0 = None if state_at is None else args[state_at]
+    out_shape, _, weight_shape = jax.eval_shape(lambda: micro_step(0, state0))
+    leaves = _reduce.plan(reduce, out_shape, accum_dtype, microbatch_size, split)
+
+    total0 = None
+    if weight_shape is not None:
+      mean_dtypes = [
+        leaf.carry_dtype
+        for leaf in jax.tree.leaves(leaves, is_leaf=_reduce._is_plan)
+        if leaf.mode == "mean"
+      ]
+      total0 = jnp.zeros(
+        (), jnp.result_type(weight_shape.dtype, jnp.float32, *mean_dtypes)
+      )
+
+    def body(carry, index):
+      acc, state, total = carry
+      out, state, weight = micro_step(index, state)
+      acc = _reduce.update(leaves, acc, out, weight, index)
+      if weight is not None:
+        total = total + weight.astype(total.dtype)
+      return (acc, state, total), None
+
+    carry0 = (_reduce.init(leaves, out_shape, num_microbatches), state0, total0)
+    (acc, state, total), _ = jax.lax.scan(
+      body, carry0, jnp.arange(num_microbatches), unroll=unroll
+    )
+    # Unweighted, the total is K itself, a constant the division can fold.
+    total = num_microbatches if total is None else total
+    result = _reduce.finalize(leaves, acc, total, split)
+    return result if state_at is None else (result, state)
+
+  return accumulated

@@ -1,0 +1,176 @@
+"""Reducers: how K micro-batch outputs combine into one, in which dtype."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaccum._microbatch import merge_microbatches
+
+Reduction = Literal["mean", "sum", "concat", "last", "max"]
+REDUCTIONS = ("mean", "sum", "concat", "last", "max")
+
+
+def check_accum_dtype(accum_dtype: Any) -> np.dtype | None:
+  if accum_dtype is None:
+    return None
+  try:
+    dtype = np.dtype(accum_dtype)
+  except TypeError:
+    raise TypeError(
+      f"accum_dtype must be a floating dtype or None, got {accum_dtype!r}."
+    ) from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+      f"accum_dtype must be a floating dtype (e.g. jnp.float32) or None, got {dtype}."
+    )
+  return dtype
+
+
+def check_reduce_spec(reduce: Any) -> None:
+  """Checks every string in a `reduce` tree before anything is traced."""
+  for path, mode in jax.tree_util.tree_flatten_with_path(reduce)[0]:
+    if mode not in REDUCTIONS:
+      where = f" at reduce{jax.tree_util.keystr(path)}" if path else ""
+      raise ValueError(f"reduce must be one of {REDUCTIONS}, got {mode!r}{where}.")
+
+
+class Leaf(NamedTuple):
+  """How one output leaf is reduced: its mode, its own dtype, its carry dtype."""
+
+  mode: str
+  dtype: np.dtype
+  carry_dtype: np.dtype
+
+
+def plan(
+  reduce: Any,
+  out_shape: Any,
+  accum_dtype: np.dtype | None,
+  microbatch_size: int,
+  split: str,
+) -> Any:
+  """Returns a tree of `Leaf` matching `out_shape`, or raises naming the leaf.
+
+  Args:
+    reduce: a reduction string or a pytree prefix of `out_shape` of them.
+    out_shape: `jax.eval_shape` of one micro-step's output.
+    accum_dtype: floating leaves narrower than this accumulate in it.
+    microbatch_size: rows per micro-batch, the leading size `"concat"` needs
+      to put rows back in order.
+    split: the micro-batch order, `"strided"` or `"contiguous"`.
+  """
+  try:
+    modes = jax.tree.broadcast(reduce, out_shape)
+  except ValueError as e:
+    raise ValueError(
+      f"reduce={reduce!r} must be a reduction string or a pytree prefix of "
+      f"grad_fn's output, whose structure is {jax.tree.structure(out_shape)}. "
+      f"({e})"
+    ) from None
+
+  def leaf_plan(path, mode, shape):
+    where = "output" + jax.tree_util.keystr(path)
+    dtype = np.dtype(shape.dtype)
+    floating = jnp.issubdtype(dtype, jnp.inexact)
+    if mode == "mean" and not floating:
+      raise TypeError(
+        f'reduce="mean" needs a floating leaf, but {where} has dtype {dtype}; '
+        'give it "sum", "max", "last" or "concat" in a reduce tree.'
+      )
+    if mode == "sum" and dtype == np.bool_:
+      raise TypeError(f'reduce="sum" cannot add booleans at {where}; cast it first.')
+    if mode == "concat":
+      if not shape.shape:
+        raise TypeError(
+          f'reduce="concat" needs per-example outputs with a leading axis, '
+          f"but {where} is a scalar."
+        )
+      if split == "strided" and shape.shape[0] != microbatch_size:
+        raise ValueError(
+          f'reduce="concat" with split="strided" needs a leading axis of '
+          f"{microbatch_size} (the micro-batch size) to restore the row "
+          f"order, but {where} has shape {shape.shape}."
+        )
+    carry_dtype = dtype
+    if (
+      mode in ("mean", "sum")
+      and accum_dtype is not None
+      and jnp.issubdtype(dtype, jnp.floating)
+      and dtype.itemsize < accum_dtype.itemsize
+    ):
+      carry_dtype = accum_dtype
+    return Leaf(mode, dtype, carry_dtype)
+
+  return jax.tree.map_with_path(
+    lambda path, mode, shape: leaf_plan(path, mode, shape), modes, out_shape
+  )
+
+
+def _is_plan(x: Any) -> bool:
+  return isinstance(x, Leaf)
+
+
+def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
+  """The carry before the first micro-batch."""
+
+  def init_leaf(leaf: Leaf, shape):
+    if leaf.mode == "concat":
+      return jnp.zeros((num_microbatches, *shape.shape), leaf.dtype)
+    if leaf.mode == "max":
+      lowest = -jnp.inf if jnp.issubdtype(leaf.dtype, jnp.inexact) else 0
+      if jnp.issubdtype(leaf.dtype, jnp.integer):
+        lowest = jnp.iinfo(leaf.dtype).min
+      return jnp.full(shape.shape, lowest, leaf.dtype)
+    return jnp.zeros(shape.shape, leaf.carry_dtype)
+
+  return jax.tree.map(init_leaf, leaves, out_shape, is_leaf=_is_plan)
+
+
+def update(
+  leaves: Any, carry: Any, out: Any, weight: jax.Array | None, index: jax.Array
+) -> Any:
+  """Folds micro-batch `index`'s output (with its weight, if any) into the carry."""
+
+  def update_leaf(leaf: Leaf, acc, value):
+    if leaf.mode == "concat":
+      return jax.lax.dynamic_update_index_in_dim(acc, value, index, axis=0)
+    if leaf.mode == "max":
+      return jnp.maximum(acc, value)
+    if leaf.mode == "last":
+      return value
+    value = value.astype(leaf.carry_dtype)
+    if leaf.mode == "mean" and weight is not None:
+      # `where`, not a product: an all-padding micro-batch may hold NaN (0/0),
+      # and weight 0 must mean "contributes nothing".
+      value = jnp.where(weight != 0, weight.astype(leaf.carry_dtype) * value, 0)
+    return acc + value
+
+  return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=_is_plan)
+
+
+def finalize(leaves: Any, carry: Any, total_weight: jax.Array | int, split: str) -> Any:
+  """Turns the carry into the reduced output, in each leaf's own dtype.
+
+  Args:
+    leaves: the plan from `plan`.
+    carry: the carry after the last micro-batch.
+    total_weight: the sum of the weights of the `"mean"` leaves (K when
+      unweighted). A total of zero gives zeros, never NaN.
+    split: the micro-batch order, to put `"concat"` rows back in place.
+  """
+
+  def finalize_leaf(leaf: Leaf, acc):
+    if leaf.mode == "concat":
+      return merge_microbatches(acc, split)
+    if leaf.mode == "mean" and isinstance(total_weight, int):
+      acc = acc / total_weight
+    elif leaf.mode == "mean":
+      total = total_weight.astype(leaf.carry_dtype)
+      acc = jnp.where(total != 0, acc / jnp.where(total != 0, total, 1), 0)
+    return acc.astype(leaf.dtype)
+
+  return jax.tree.map(finalize_leaf, leaves, carry, is_leaf=_is_plan)
