@@ -110,8 +110,20 @@ def plan(
   )
 
 
-def _is_plan(x: Any) -> bool:
+def is_plan(x: Any) -> bool:
   return isinstance(x, Leaf)
+
+
+def _full(
+  shape: jax.ShapeDtypeStruct, value: Any, dtype: Any, lead: tuple[int, ...] = ()
+):
+  """A carry leaf like `shape`, keeping an explicit sharding (e.g. over "model")."""
+  sharding = getattr(shape, "sharding", None)
+  if isinstance(sharding, jax.NamedSharding) and any(sharding.spec):
+    sharding = sharding.update(spec=jax.P(*(None for _ in lead), *sharding.spec))
+  else:
+    sharding = None
+  return jnp.full((*lead, *shape.shape), value, dtype, out_sharding=sharding)
 
 
 def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
@@ -119,15 +131,15 @@ def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
 
   def init_leaf(leaf: Leaf, shape):
     if leaf.mode == "concat":
-      return jnp.zeros((num_microbatches, *shape.shape), leaf.dtype)
+      return _full(shape, 0, leaf.dtype, lead=(num_microbatches,))
     if leaf.mode == "max":
-      lowest = -jnp.inf if jnp.issubdtype(leaf.dtype, jnp.inexact) else 0
+      lowest = -jnp.inf if jnp.issubdtype(leaf.dtype, jnp.inexact) else False
       if jnp.issubdtype(leaf.dtype, jnp.integer):
         lowest = jnp.iinfo(leaf.dtype).min
-      return jnp.full(shape.shape, lowest, leaf.dtype)
-    return jnp.zeros(shape.shape, leaf.carry_dtype)
+      return _full(shape, lowest, leaf.dtype)
+    return _full(shape, 0, leaf.carry_dtype)
 
-  return jax.tree.map(init_leaf, leaves, out_shape, is_leaf=_is_plan)
+  return jax.tree.map(init_leaf, leaves, out_shape, is_leaf=is_plan)
 
 
 def update(
@@ -149,7 +161,7 @@ def update(
       value = jnp.where(weight != 0, weight.astype(leaf.carry_dtype) * value, 0)
     return acc + value
 
-  return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=_is_plan)
+  return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=is_plan)
 
 
 def finalize(leaves: Any, carry: Any, total_weight: jax.Array | int, split: str) -> Any:
@@ -173,4 +185,4 @@ def finalize(leaves: Any, carry: Any, total_weight: jax.Array | int, split: str)
       acc = jnp.where(total != 0, acc / jnp.where(total != 0, total, 1), 0)
     return acc.astype(leaf.dtype)
 
-  return jax.tree.map(finalize_leaf, leaves, carry, is_leaf=_is_plan)
+  return jax.tree.map(finalize_leaf, leaves, carry, is_leaf=is_plan)
