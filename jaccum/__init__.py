@@ -1,5 +1,7 @@
 """jaccum: exact, fast gradient accumulation for JAX, Flax and optax."""
 
+import importlib
+
 from jaccum._accumulate import accumulate
 from jaccum._microbatch import split_microbatches
 from jaccum._parallel import data_parallel
@@ -11,3 +13,11 @@ __all__ = [
   "data_parallel",
   "split_microbatches",
 ]
+
+
+def __getattr__(name: str):
+  # Submodules load on first use: `jaccum.nnx` imports Flax, `jaccum.inspect`
+  # is for checking compiled steps; neither is needed to accumulate.
+  if name in ("inspect", "nnx"):
+    return importlib.import_module(f"jaccum.{name}")
+  raise AttributeError(f"module 'jaccum' has no attribute {name!r}")
