@@ -161,6 +161,8 @@ def run_sharded(
     params_specs = jax.tree.broadcast(
       param_specs, args[0], is_leaf=lambda x: isinstance(x, P)
     )
+    for spec in jax.tree.leaves(params_specs, is_leaf=lambda x: isinstance(x, P)):
+      _sharded_dim(spec, axes)  # raises on a spec FSDP cannot serve
   in_specs = tuple(
     P(axes)
     if i in at.batch

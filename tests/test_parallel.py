@@ -1,0 +1,300 @@
+"""Distributed accumulation on 8 simulated CPU devices: exact, one reduction a step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaccum
+import jaccum.inspect
+
+DEVICES = 8
+BATCH = 128
+
+
+def loss(params, x, y):
+  hidden = jnp.tanh(x @ params["w"] + params["b"])
+  return jnp.mean((hidden @ params["v"] - y) ** 2)
+
+
+@pytest.fixture(scope="module")
+def problem():
+  kw, kv, kx, ky = jax.random.split(jax.random.key(0), 4)
+  params = {
+    "w": jax.random.normal(kw, (8, 16)),
+    "b": jnp.zeros(16),
+    "v": jax.random.normal(kv, (16,)),
+  }
+  x = jax.random.normal(kx, (BATCH, 8))
+  y = jax.random.normal(ky, (BATCH,))
+  return params, x, y
+
+
+GRAD_FN = jax.value_and_grad(loss)
+
+
+def mesh_of(kind):
+  return jax.make_mesh((DEVICES,), ("data",), axis_types=(kind,))
+
+
+def shard_batch(mesh, *arrays):
+  return [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in arrays]
+
+
+def data_parallel_step(kind, num_microbatches):
+  mesh = mesh_of(kind)
+  step = jax.jit(
+    jaccum.data_parallel(GRAD_FN, num_microbatches, mesh=mesh, batch_argnums=(1, 2))
+  )
+  return step, lambda params, x, y: (params, *shard_batch(mesh, x, y))
+
+
+def shard_map_step(kind, num_microbatches):
+  mesh = mesh_of(kind)
+  accumulated = jaccum.accumulate(
+    GRAD_FN, num_microbatches, batch_argnums=(1, 2), axis_name="data"
+  )
+  step = jax.jit(
+    jax.shard_map(
+      accumulated, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
+    )
+  )
+  return step, lambda params, x, y: (params, *shard_batch(mesh, x, y))
+
+
+def pmap_step(kind, num_microbatches):
+  del kind
+  accumulated = jaccum.accumulate(
+    GRAD_FN, num_microbatches, batch_argnums=(1, 2), axis_name="devices"
+  )
+  pmapped = jax.pmap(accumulated, axis_name="devices", in_axes=(None, 0, 0))
+
+  def place(params, x, y):
+    return params, x.reshape(DEVICES, -1, *x.shape[1:]), y.reshape(DEVICES, -1)
+
+  return pmapped, place
+
+
+def explicit_jit_step(kind, num_microbatches):
+  """Plain jit: the batch's explicit sharding is read at trace time."""
+  del kind
+  mesh = mesh_of(AxisType.Explicit)
+  return (
+    jax.jit(jaccum.accumulate(GRAD_FN, num_microbatches, batch_argnums=(1, 2))),
+    lambda params, x, y: (params, *shard_batch(mesh, x, y)),
+  )
+
+
+FSDP_SPECS = {"w": P(None, "data"), "b": P("data"), "v": P("data")}
+
+
+def fsdp_step(kind, num_microbatches):
+  mesh = mesh_of(kind)
+  step = jax.jit(
+    jaccum.data_parallel(
+      GRAD_FN, num_microbatches, mesh=mesh, batch_argnums=(1, 2), param_specs=FSDP_SPECS
+    )
+  )
+
+  def place(params, x, y):
+    params = {
+      k: jax.device_put(v, NamedSharding(mesh, FSDP_SPECS[k]))
+      for k, v in params.items()
+    }
+    return (params, *shard_batch(mesh, x, y))
+
+  return step, place
+
+
+PATHS = {
+  "data_parallel-auto": (data_parallel_step, AxisType.Auto),
+  "data_parallel-explicit": (data_parallel_step, AxisType.Explicit),
+  "shard_map-auto": (shard_map_step, AxisType.Auto),
+  "shard_map-explicit": (shard_map_step, AxisType.Explicit),
+  "pmap": (pmap_step, None),
+  "explicit-jit": (explicit_jit_step, None),
+  "fsdp-auto": (fsdp_step, AxisType.Auto),
+  "fsdp-explicit": (fsdp_step, AxisType.Explicit),
+}
+
+
+def first_device(path, tree):
+  """pmap returns one copy per device; every other path a global array."""
+  return jax.tree.map(lambda leaf: leaf[0], tree) if path == "pmap" else tree
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 8])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matches_single_device_whole_batch(path, num_microbatches, problem):
+  make_step, kind = PATHS[path]
+  step, place = make_step(kind, num_microbatches)
+  got = first_device(path, step(*place(*problem)))
+  assert_trees_close(jax.device_get(got), GRAD_FN(*problem), rtol=1e-5)
+
+
+def _collectives(path, num_microbatches, problem):
+  make_step, kind = PATHS[path]
+  step, place = make_step(kind, num_microbatches)
+  return jaccum.inspect.collectives(step, *place(*problem))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_no_collective_inside_the_loop(path, problem):
+  small, large = (_collectives(path, k, problem) for k in (2, 8))
+  assert small.inside_loops == large.inside_loops == 0, (small, large)
+  assert small.outside_loops == large.outside_loops >= 1, (small, large)
+  if path.startswith("fsdp"):
+    # Params gathered once before the loop, gradients reduce-scattered after;
+    # the one all-reduce left carries the loss value.
+    assert small.all_gather.outside_loops >= 1
+    assert small.reduce_scatter.outside_loops >= 1
+    assert small.all_reduce.outside_loops <= 1
+  else:
+    assert small.all_reduce.outside_loops == 1  # one fused reduction per step
+
+
+def test_the_checker_sees_the_naive_per_micro_step_psum(problem):
+  """Without axis_name, JAX puts a psum into every micro-step's backward pass."""
+  mesh = mesh_of(AxisType.Auto)
+
+  def naive(params, x, y):
+    value, grads = jaccum.accumulate(GRAD_FN, 8, batch_argnums=(1, 2))(params, x, y)
+    # Invariant params: JAX already summed every micro-step's gradient over
+    # devices (the psum in the loop), so only the mean remains to take.
+    return jax.lax.pmean(value, "data"), jax.tree.map(lambda g: g / DEVICES, grads)
+
+  step = jax.jit(
+    jax.shard_map(naive, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+  )
+  params, x, y = problem
+  counts = jaccum.inspect.collectives(step, params, *shard_batch(mesh, x, y))
+  assert counts.all_reduce.inside_loops >= 1
+  assert_trees_close(step(params, x, y), GRAD_FN(params, x, y), rtol=1e-5)
+
+
+def test_fsdp_gradients_stay_sharded_like_params(problem):
+  step, place = fsdp_step(AxisType.Explicit, 2)
+  _, grads = step(*place(*problem))
+  for name, spec in FSDP_SPECS.items():
+    assert grads[name].sharding.spec == spec, (name, grads[name].sharding)
+
+
+def test_multi_axis_mesh_only_data_is_manual(problem):
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  params, x, y = problem
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  params["w"] = jax.device_put(params["w"], NamedSharding(mesh, P(None, "model")))
+  x, y = shard_batch(mesh, x, y)
+  step = jax.jit(jaccum.data_parallel(GRAD_FN, 2, mesh=mesh, batch_argnums=(1, 2)))
+  value, grads = step(params, x, y)
+  assert grads["w"].sharding.spec == P(None, "model")
+  assert_trees_close(jax.device_get((value, grads)), GRAD_FN(*problem), rtol=1e-5)
+
+
+SEQ = 12
+
+
+def test_token_weighting_across_devices(problem):
+  """Device d holds sequences of very different lengths from device d+1."""
+  rows = 32  # 4 per device, 2 per micro-batch
+  lengths = np.where(np.arange(rows) // (rows // DEVICES) % 2 == 0, SEQ, 1)
+  mask = jnp.asarray(np.arange(SEQ)[None] < lengths[:, None], jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (rows, SEQ, 8))
+
+  def token_loss(params, x, mask):
+    per_token = jnp.tanh(x @ params["w"]).sum(-1)
+    return jnp.sum(per_token**2 * mask) / jnp.sum(mask)
+
+  grad_fn = jax.value_and_grad(token_loss)
+  mesh = mesh_of(AxisType.Explicit)
+  x, mask_sharded = shard_batch(mesh, x, mask)
+
+  def step(num_tokens):
+    return jax.jit(
+      jaccum.data_parallel(
+        grad_fn, 2, mesh=mesh, batch_argnums=(1, 2), weight_fn=num_tokens
+      )
+    )(problem[0], x, mask_sharded)
+
+  expected = grad_fn(problem[0], np.asarray(x), np.asarray(mask))
+  exact = step(lambda params, x, mask: mask.sum())
+  assert_trees_close(jax.device_get(exact), expected, rtol=1e-5)
+  naive = jax.device_get(step(None))
+  assert abs(naive[0] - expected[0]) > 0.05 * abs(expected[0])
+
+
+def test_concat_and_state_and_keys_across_devices(problem):
+  """Per-example outputs come back in row order; state is averaged; keys differ."""
+  mesh = mesh_of(AxisType.Explicit)
+  num_microbatches = 2
+
+  def fn(params, state, x, key):
+    noise = jax.random.normal(key, ())
+    per_example = jnp.tanh(x @ params["w"]).sum(-1)
+    new_state = 0.5 * state + 0.5 * jnp.mean(x)
+    return {
+      "per_example": per_example,
+      "noise": jnp.full(x.shape[:1], noise),
+    }, new_state
+
+  step = jax.jit(
+    jaccum.data_parallel(
+      fn,
+      num_microbatches,
+      mesh=mesh,
+      batch_argnums=2,
+      state_argnum=1,
+      rng_argnum=3,
+      reduce="concat",
+    )
+  )
+  params, x, _ = problem
+  out, state = step(params, jnp.float32(1.0), *shard_batch(mesh, x), jax.random.key(7))
+  np.testing.assert_allclose(
+    out["per_example"],
+    fn(params, 0.0, x, jax.random.key(0))[0]["per_example"],
+    rtol=1e-6,
+  )
+  # One key per device and micro-batch: 16 distinct noise values, each shared
+  # by the rows of its micro-batch.
+  assert len(np.unique(np.asarray(out["noise"]))) == DEVICES * num_microbatches
+  # Reference for the state: each device threads its own micro-batches
+  # (strided within its rows), then the devices are averaged.
+  local = np.asarray(x).reshape(DEVICES, -1, x.shape[1])
+  finals = []
+  for rows in local:
+    s = 1.0
+    for k in range(num_microbatches):
+      s = 0.5 * s + 0.5 * rows[k::num_microbatches].mean()
+    finals.append(s)
+  np.testing.assert_allclose(state, np.mean(finals), rtol=1e-6)
+
+
+def test_errors_name_the_problem(problem):
+  params, x, y = problem
+  mesh = mesh_of(AxisType.Auto)
+  with pytest.raises(
+    ValueError, match=r"axis=\('batch',\) names \['batch'\], not axes"
+  ):
+    jaccum.data_parallel(GRAD_FN, 2, mesh=mesh, axis="batch", batch_argnums=(1, 2))(
+      params, x, y
+    )
+  with pytest.raises(
+    ValueError, match=r"batch_size=128 must be divisible by devices × "
+  ):
+    jaccum.data_parallel(GRAD_FN, 32, mesh=mesh, batch_argnums=(1, 2))(params, x, y)
+  with pytest.raises(TypeError, match=r"takes `axis`, not `axis_name`"):
+    jaccum.data_parallel(GRAD_FN, 2, axis_name="data")
+  with pytest.raises(
+    ValueError, match=r"shards a dimension over exactly the data axes"
+  ):
+    jaccum.data_parallel(
+      GRAD_FN,
+      2,
+      mesh=mesh,
+      batch_argnums=(1, 2),
+      param_specs={"w": P(("data", "x")), "b": P(), "v": P()},
+    )(params, x, y)
