@@ -13,8 +13,11 @@ if not blocks:
 for number, code in enumerate(blocks, 1):
   start = time.perf_counter()
   result = subprocess.run([sys.executable, "-c", code], timeout=300)
-  print(f"README snippet {number}/{len(blocks)}: exit {result.returncode} "
-        f"in {time.perf_counter() - start:.1f}s", flush=True)
+  print(
+    f"README snippet {number}/{len(blocks)}: exit {result.returncode} "
+    f"in {time.perf_counter() - start:.1f}s",
+    flush=True,
+  )
   if result.returncode:
     print(code, file=sys.stderr)
     sys.exit(result.returncode)

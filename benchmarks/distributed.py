@@ -82,7 +82,10 @@ def main(quick: bool) -> None:
     reference = steps["naive jit+scan"](params, x)
     for name, step in steps.items():
       error = jax.tree.reduce(
-        max, jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), step(params, x), reference)
+        max,
+        jax.tree.map(
+          lambda a, b: float(jnp.abs(a - b).max()), step(params, x), reference
+        ),
       )
       assert error < 1e-5, (name, error)
       counts = jaccum.inspect.collectives(step, params, x)
@@ -98,8 +101,13 @@ def main(quick: bool) -> None:
         }
       )
 
-  print(f"8 CPU devices, {ROWS_PER_MICROBATCH} rows per micro-batch per device, MLP 3×{WIDTH}")
-  print(f"{'K':>3}  {'approach':<22}{'all-reduce in loop':>19}{'outside':>9}{'step ms':>9}")
+  print(
+    f"8 CPU devices, {ROWS_PER_MICROBATCH} rows per micro-batch per device, "
+    f"MLP 3×{WIDTH}"
+  )
+  print(
+    f"{'K':>3}  {'approach':<22}{'all-reduce in loop':>19}{'outside':>9}{'step ms':>9}"
+  )
   for row in rows:
     print(
       f"{row['K']:>3}  {row['approach']:<22}{row['all_reduce_in_loop']:>19}"
