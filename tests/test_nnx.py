@@ -1,0 +1,370 @@
+"""Tests for jaccum.nnx: whole-batch equivalence, BatchNorm, dropout, training."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaccum.nnx
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "jit"])
+def use_jit(request):
+  return request.param
+
+
+def maybe_jit(fn, use_jit):
+  return nnx.jit(fn) if use_jit else fn
+
+
+def assert_tree_close(actual, expected, rtol, atol=0.0):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs, din=5, dhidden=16, dout=3):
+    self.hidden = nnx.Linear(din, dhidden, rngs=rngs)
+    self.out = nnx.Linear(dhidden, dout, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.tanh(self.hidden(x)))
+
+
+def mse(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def mse_with_aux(model, x, y):
+  pred = model(x)
+  return jnp.mean((pred - y) ** 2), {"pred_mean": pred.mean()}
+
+
+def regression_batch(batch_size=16, seed=0):
+  rng = np.random.default_rng(seed)
+  return normal(rng, batch_size, 5), normal(rng, batch_size, 3)
+
+
+def normal(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def jit_value_and_grad(loss_fn, **kwargs):
+  """The reference: nnx.value_and_grad on the whole batch, jitted for speed."""
+  return nnx.jit(nnx.value_and_grad(loss_fn, **kwargs))
+
+
+@pytest.mark.parametrize(
+  "use_jit, num_microbatches, split",
+  [(False, 4, "strided"), (True, 1, "strided"), (True, 16, "contiguous")],
+)
+def test_value_and_grad_matches_whole_batch(use_jit, num_microbatches, split):
+  model = MLP(nnx.Rngs(0))
+  x, y = regression_batch()
+  accumulated = jaccum.nnx.value_and_grad(mse, num_microbatches, split=split)
+  loss, grads = maybe_jit(accumulated, use_jit)(model, x, y)
+  whole_loss, whole_grads = jit_value_and_grad(mse)(model, x, y)
+  assert isinstance(grads, nnx.State)
+  assert all(
+    isinstance(v, nnx.Param)
+    for v in jax.tree.leaves(grads, is_leaf=lambda v: isinstance(v, nnx.Variable))
+  )
+  np.testing.assert_allclose(loss, whole_loss, rtol=1e-5)
+  assert_tree_close(grads, whole_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_has_aux_and_grad_match_nnx(use_jit):
+  model = MLP(nnx.Rngs(1))
+  x, y = regression_batch(seed=1)
+  (loss, aux), grads = maybe_jit(
+    jaccum.nnx.value_and_grad(mse_with_aux, 4, has_aux=True), use_jit
+  )(model, x, y)
+  (whole_loss, whole_aux), whole_grads = jit_value_and_grad(mse_with_aux, has_aux=True)(
+    model, x, y
+  )
+  np.testing.assert_allclose(loss, whole_loss, rtol=1e-5)
+  np.testing.assert_allclose(aux["pred_mean"], whole_aux["pred_mean"], rtol=1e-5)
+  assert_tree_close(grads, whole_grads, rtol=1e-5, atol=1e-7)
+
+  grads_aux, aux = maybe_jit(jaccum.nnx.grad(mse_with_aux, 4, has_aux=True), use_jit)(
+    model, x, y
+  )
+  assert_tree_close(grads_aux, whole_grads, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(aux["pred_mean"], whole_aux["pred_mean"], rtol=1e-5)
+
+
+def test_batch_argnums_count_from_the_model_and_kwargs_go_whole():
+  model = MLP(nnx.Rngs(2))
+  x, y = regression_batch(seed=2)
+
+  def scaled(model, scale, x, y):
+    return scale * mse(model, x, y)
+
+  # batch_argnums counts as in the call: 0 is the model, 1 the scale.
+  grads = jaccum.nnx.grad(scaled, 4, batch_argnums=(2, -1))(model, 3.0, x, y)
+  expected = nnx.jit(nnx.grad(scaled))(model, 3.0, x, y)
+  assert_tree_close(grads, expected, rtol=1e-5, atol=1e-7)
+
+  def offset_loss(model, x, *, offset):
+    return jnp.mean((model(x) - offset) ** 2)
+
+  offset = jnp.arange(3.0)  # Not a batch: every micro-batch sees all of it.
+  grads = jaccum.nnx.grad(offset_loss, 4)(model, x, offset=offset)
+  # nnx.grad resolves keywords to positions, so it needs a closure.
+  expected = nnx.jit(nnx.grad(lambda m, x: offset_loss(m, x, offset=offset)))(model, x)
+  assert_tree_close(grads, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_wrt_selects_the_variables_like_nnx_diffstate():
+  model = MLP(nnx.Rngs(4))
+  x, y = regression_batch(seed=4)
+  head_only = nnx.PathContains("out")
+  grads = nnx.jit(jaccum.nnx.grad(mse, 4, wrt=head_only))(model, x, y)
+  expected = nnx.jit(nnx.grad(mse, argnums=nnx.DiffState(0, head_only)))(model, x, y)
+  assert set(grads.keys()) == {"out"}
+  assert_tree_close(grads, expected, rtol=1e-5, atol=1e-7)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=head_only)
+  hidden_before = nnx.state(model.hidden)
+  optimizer.update(model, grads)
+  assert_tree_close(nnx.state(model.hidden), hidden_before, rtol=0)
+
+
+def test_weight_fn_gives_the_whole_batch_per_token_mean():
+  # Uneven numbers of real tokens per micro-batch: the per-token mean of the
+  # whole batch is the token-weighted mean of the micro-batch per-token means.
+  model = MLP(nnx.Rngs(3), din=4, dout=4)
+  rng = np.random.default_rng(3)
+  x, target = normal(rng, 8, 6, 4), normal(rng, 8, 6, 4)
+  lengths = jnp.array([6, 1, 3, 2, 5, 1, 4, 2])
+  mask = (jnp.arange(6)[None, :] < lengths[:, None]).astype(jnp.float32)
+
+  def token_loss(model, x, target, mask):
+    per_token = jnp.mean((model(x) - target) ** 2, axis=-1)
+    return jnp.sum(per_token * mask) / jnp.maximum(mask.sum(), 1.0)
+
+  weighted = jaccum.nnx.value_and_grad(token_loss, 4, weight_fn=lambda x, t, m: m.sum())
+  loss, grads = nnx.jit(weighted)(model, x, target, mask)
+  whole_loss, whole_grads = jit_value_and_grad(token_loss)(model, x, target, mask)
+  np.testing.assert_allclose(loss, whole_loss, rtol=1e-5)
+  assert_tree_close(grads, whole_grads, rtol=1e-5, atol=1e-7)
+  # Micro-batches hold 11, 2, 7 and 4 tokens (strided rows k, k + 4): the mean
+  # of their means would not be the whole-batch mean, so the test can fail.
+  np.testing.assert_array_equal(mask.sum(1).reshape(2, 4).sum(0), [11, 2, 7, 4])
+
+
+class BatchNormNet(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(3, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, momentum=0.8, epsilon=1e-5, rngs=rngs)
+    self.head = nnx.Linear(4, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jax.nn.relu(self.norm(self.linear(x))))
+
+
+def bn_loss(model, x, y):
+  return jnp.mean((model(x)[:, 0] - y) ** 2)
+
+
+@pytest.mark.parametrize(
+  "use_jit, split", [(False, "strided"), (True, "contiguous")], ids=["eager", "jit"]
+)
+def test_batchnorm_statistics_follow_sequential_microbatches(use_jit, split):
+  num_microbatches = 4
+  model = BatchNormNet(nnx.Rngs(0))
+  rng = np.random.default_rng(5)
+  x, y = normal(rng, 16, 3) * 2.0 + 1.0, normal(rng, 16)
+  kernel = np.asarray(model.linear.kernel[...], np.float64)
+  bias = np.asarray(model.linear.bias[...], np.float64)
+  params_before = nnx.state(model, nnx.Param)
+
+  _, grads = maybe_jit(
+    jaccum.nnx.value_and_grad(bn_loss, num_microbatches, split=split), use_jit
+  )(model, x, y)
+
+  # By hand: K forward passes, in the split's order, each updating the
+  # running statistics with its own micro-batch's statistics.
+  rows = np.arange(16).reshape(-1, num_microbatches).T  # rows[k]: strided micro k
+  if split == "contiguous":
+    rows = np.arange(16).reshape(num_microbatches, -1)
+  hidden = np.asarray(x, np.float64) @ kernel + bias
+  mean, var = np.zeros(4), np.ones(4)
+  for k in range(num_microbatches):
+    micro = hidden[rows[k]]
+    mean = 0.8 * mean + 0.2 * micro.mean(0)
+    var = 0.8 * var + 0.2 * micro.var(0)
+  np.testing.assert_allclose(model.norm.mean[...], mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(model.norm.var[...], var, rtol=1e-5, atol=1e-6)
+  # One whole-batch pass would give other statistics: the test can fail.
+  assert not np.allclose(0.2 * hidden.mean(0), mean, atol=1e-3)
+  # Parameters are untouched; gradients are the mean of per-micro-batch ones.
+  assert_tree_close(nnx.state(model, nnx.Param), params_before, rtol=0)
+  reference = BatchNormNet(nnx.Rngs(0))
+  reference_grad = nnx.jit(nnx.grad(bn_loss))
+  micro_grads = [reference_grad(reference, x[rows[k]], y[rows[k]]) for k in range(4)]
+  mean_grads = jax.tree.map(lambda *g: sum(g) / 4, *micro_grads)
+  assert_tree_close(grads, mean_grads, rtol=1e-5, atol=1e-6)
+  assert_tree_close(
+    nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), rtol=1e-5
+  )
+
+
+def test_batchnorm_in_eval_mode_keeps_statistics_and_matches_whole_batch():
+  model = BatchNormNet(nnx.Rngs(0))
+  model.eval()
+  x, y = normal(np.random.default_rng(7), 8, 3), jnp.arange(8.0)
+  before = nnx.state(model, nnx.BatchStat)
+  loss, grads = jaccum.nnx.value_and_grad(bn_loss, 4)(model, x, y)
+  whole_loss, whole_grads = jit_value_and_grad(bn_loss)(model, x, y)
+  np.testing.assert_allclose(loss, whole_loss, rtol=1e-5)
+  assert_tree_close(grads, whole_grads, rtol=1e-5, atol=1e-7)
+  assert_tree_close(nnx.state(model, nnx.BatchStat), before, rtol=0)
+
+
+class DropoutNet(nnx.Module):
+  def __init__(self, rngs):
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+    self.linear = nnx.Linear(6, 1, rngs=rngs)
+
+  def __call__(self, x):
+    kept = self.dropout(x)
+    return self.linear(kept)[:, 0], kept
+
+
+def dropout_loss(model, x):
+  out, kept = model(x)
+  return jnp.mean(out**2), kept
+
+
+def test_dropout_masks_are_fresh_per_microbatch_and_reproducible():
+  # Under nnx.jit only: the eager write-back is the BatchNorm tests' code path.
+  num_microbatches = 4
+  x = jnp.ones((8, 6))
+  # "concat" puts each row's dropped-out input back in its own row.
+  step = nnx.jit(
+    jaccum.nnx.grad(
+      dropout_loss, num_microbatches, has_aux=True, reduce=("mean", "concat")
+    )
+  )
+  model = DropoutNet(nnx.Rngs(42))
+  _, kept = step(model, x)
+  masks = np.asarray(kept != 0).reshape(2, num_microbatches, 6)  # [row, micro, :]
+  per_micro = [masks[:, k] for k in range(num_microbatches)]
+  for a in range(num_microbatches):
+    for b in range(a + 1, num_microbatches):
+      assert not np.array_equal(per_micro[a], per_micro[b])
+
+  # The same seed gives the same masks; they are those of K sequential calls.
+  twin = DropoutNet(nnx.Rngs(42))
+  _, twin_kept = step(twin, x)
+  np.testing.assert_array_equal(twin_kept, kept)
+  sequential = DropoutNet(nnx.Rngs(42))
+  for k in range(num_microbatches):
+    np.testing.assert_array_equal(sequential(x[k::num_microbatches])[1], kept[k::4])
+  assert int(model.dropout.rngs.count[...]) == num_microbatches
+
+  # The next step draws new masks, again as the sequential calls would.
+  _, kept_again = step(model, x)
+  assert not np.array_equal(kept_again, kept)
+  np.testing.assert_array_equal(sequential(x[0::4])[1], kept_again[0::4])
+
+
+def test_rng_argnum_gives_each_microbatch_its_own_key():
+  model = DropoutNet(nnx.Rngs(0))
+
+  def loss_with_key(model, x, key):
+    kept = model.dropout(x, rngs=key)
+    return jnp.mean(model.linear(kept) ** 2), kept
+
+  key = jax.random.key(9)
+  _, kept = jaccum.nnx.grad(
+    loss_with_key, 2, has_aux=True, reduce=("mean", "concat"), rng_argnum=2
+  )(model, jnp.ones((4, 6)), key)
+  for k in range(2):
+    expected = model.dropout(jnp.ones((2, 6)), rngs=jax.random.fold_in(key, k))
+    np.testing.assert_array_equal(kept[k::2], expected)
+
+
+def test_training_follows_the_whole_batch_trajectory():
+  x, y = regression_batch(batch_size=32, seed=10)
+
+  def train(value_and_grad):
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+      loss, grads = value_and_grad(model, x, y)
+      optimizer.update(model, grads)
+      return loss
+
+    losses = [float(train_step(model, optimizer, x, y)) for _ in range(20)]
+    return losses, nnx.state(model, nnx.Param)
+
+  losses, params = train(jaccum.nnx.value_and_grad(mse, 8))
+  whole_losses, whole_params = train(nnx.value_and_grad(mse))
+  assert whole_losses[-1] < 0.7 * whole_losses[0]  # It does train.
+  np.testing.assert_allclose(losses, whole_losses, rtol=1e-4)
+  assert_tree_close(params, whole_params, rtol=1e-4, atol=1e-5)
+
+
+def test_nnx_jit_does_not_retrace():
+  model = MLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  traces = []
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    traces.append(None)
+    loss, grads = jaccum.nnx.value_and_grad(mse, 4)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  x, y = regression_batch()
+  for _ in range(3):
+    train_step(model, optimizer, x, y)
+  assert len(traces) == 1
+
+
+def test_errors_name_the_argument():
+  model = MLP(nnx.Rngs(0))
+  x, y = regression_batch()
+  with pytest.raises(
+    TypeError, match=r"first argument must be the nnx.Module.*ArrayImpl"
+  ):
+    jaccum.nnx.value_and_grad(lambda x, model, y: mse(model, x, y), 4)(x, model, y)
+  with pytest.raises(TypeError, match=r"got float on a micro-batch"):
+    jaccum.nnx.grad(lambda m, x: (1.0, None), 4, has_aux=True)(model, x)
+  with pytest.raises(TypeError, match=r"loss_fn must be callable"):
+    jaccum.nnx.grad("mse", 4)
+  with pytest.raises(TypeError, match=r"scalar loss of shape \(\), got shape \(4, 3\)"):
+    jaccum.nnx.value_and_grad(lambda m, x: m(x), 4)(model, x)
+  with pytest.raises(TypeError, match=r"got shape \(\) int32"):
+    jaccum.nnx.grad(lambda m, x: jnp.sum(x > 0), 4)(model, x)
+  with pytest.raises(TypeError, match=r"returned a tuple of 2.*has_aux=True"):
+    jaccum.nnx.value_and_grad(mse_with_aux, 4)(model, x, y)
+  with pytest.raises(
+    TypeError, match=r"has_aux=True, loss_fn must return \(loss, aux\)"
+  ):
+    jaccum.nnx.value_and_grad(mse, 4, has_aux=True)(model, x, y)
+  with pytest.raises(
+    ValueError, match=r"batch_size=16 \(of args\[1\]\).*num_microbatches=3"
+  ):
+    jaccum.nnx.grad(mse, 3)(model, x, y)
+  with pytest.raises(
+    ValueError, match=r"num_microbatches must be a positive int, got 0"
+  ):
+    jaccum.nnx.grad(mse, 0)
+  with pytest.raises(ValueError, match=r"batch_argnums=\(0, 1\) must not include 0"):
+    jaccum.nnx.grad(mse, 4, batch_argnums=(0, 1))
+  with pytest.raises(TypeError, match=r"state_argnum is not an option"):
+    jaccum.nnx.grad(mse, 4, state_argnum=1)
+  with pytest.raises(TypeError, match=r"argument 2 is an Rngs"):
+    jaccum.nnx.grad(lambda m, x, rngs: mse(m, x, 0.0), 4)(model, x, nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"no variables matching wrt="):
+    jaccum.nnx.grad(mse, 4, wrt=nnx.BatchStat)(model, x, y)
+  with pytest.raises(ValueError, match=r"model only"):
+    jaccum.nnx.grad(lambda m: jnp.sum(m.out.bias[...]), 4)(model)
