@@ -58,7 +58,7 @@ def _is_key(x: Any) -> bool:
   dtype = getattr(x, "dtype", None)
   if dtype is None:
     return False
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
     return x.ndim == 0
   # Legacy raw keys from `jax.random.PRNGKey`: uint32[2] (or [4] for rbg).
   return dtype == np.uint32 and getattr(x, "shape", None) in ((2,), (4,))

@@ -15,18 +15,17 @@ SPLITS = ("strided", "contiguous")
 
 def check_num_microbatches(num_microbatches: Any) -> int:
   """Returns `num_microbatches` as a Python int, or raises naming the problem."""
-  if isinstance(num_microbatches, jax.core.Tracer):
-    raise TypeError(
-      "num_microbatches must be a static Python int, got a traced value "
-      f"{num_microbatches}; it fixes the loop length, so pass it outside jit "
-      "(or mark it static)."
-    )
   if isinstance(num_microbatches, bool | np.bool_):
     raise TypeError(
       f"num_microbatches must be a positive int, got {num_microbatches!r}."
     )
   try:
     value = operator.index(num_microbatches)
+  except jax.errors.TracerIntegerConversionError:
+    raise TypeError(
+      "num_microbatches must be a static Python int, got a traced value; it "
+      "fixes the loop length, so pass it outside jit (or mark it static)."
+    ) from None
   except TypeError:
     raise TypeError(
       f"num_microbatches must be a positive int, got {num_microbatches!r} "

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum._microbatch import merge_microbatches
+from jaccum._microbatch import Split, merge_microbatches
 
 Reduction = Literal["mean", "sum", "concat", "last", "max"]
 REDUCTIONS = ("mean", "sum", "concat", "last", "max")
@@ -164,7 +164,9 @@ def update(
   return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=is_plan)
 
 
-def finalize(leaves: Any, carry: Any, total_weight: jax.Array | int, split: str) -> Any:
+def finalize(
+  leaves: Any, carry: Any, total_weight: jax.Array | int, split: Split
+) -> Any:
   """Turns the carry into the reduced output, in each leaf's own dtype.
 
   Args:
@@ -175,7 +177,7 @@ def finalize(leaves: Any, carry: Any, total_weight: jax.Array | int, split: str)
     split: the micro-batch order, to put `"concat"` rows back in place.
   """
 
-  def finalize_leaf(leaf: Leaf, acc):
+  def finalize_leaf(leaf: Leaf, acc: jax.Array) -> jax.Array:
     if leaf.mode == "concat":
       return merge_microbatches(acc, split)
     if leaf.mode == "mean" and isinstance(total_weight, int):
@@ -183,6 +185,6 @@ def finalize(leaves: Any, carry: Any, total_weight: jax.Array | int, split: str)
     elif leaf.mode == "mean":
       total = total_weight.astype(leaf.carry_dtype)
       acc = jnp.where(total != 0, acc / jnp.where(total != 0, total, 1), 0)
-    return acc.astype(leaf.dtype)
+    return jnp.astype(acc, leaf.dtype)
 
   return jax.tree.map(finalize_leaf, leaves, carry, is_leaf=is_plan)
