@@ -183,7 +183,7 @@ def finalize(
     if leaf.mode == "mean" and isinstance(total_weight, int):
       acc = acc / total_weight
     elif leaf.mode == "mean":
-      total = total_weight.astype(leaf.carry_dtype)
+      total = jnp.astype(total_weight, leaf.carry_dtype)
       acc = jnp.where(total != 0, acc / jnp.where(total != 0, total, 1), 0)
     return jnp.astype(acc, leaf.dtype)
 
