@@ -4,11 +4,14 @@ import importlib
 
 from jaccum._accumulate import accumulate
 from jaccum._microbatch import split_microbatches
+from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 
 __version__ = "0.1.0"
 
 __all__ = [
+  "MultiSteps",
+  "MultiStepsState",
   "accumulate",
   "data_parallel",
   "split_microbatches",

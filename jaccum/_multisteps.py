@@ -1,0 +1,426 @@
+"""`MultiSteps`: gradients accumulated across calls, one optimizer step per window.
+
+A drop-in for `optax.MultiSteps` that runs the inner optimizer only on the call
+that ends a window, resets the accumulator with `where` (so a non-finite window
+cannot leak into the next), takes per-call weights (exact token means), and
+reports `has_updated` only for calls that applied an update.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+EveryK = int | Callable[[jax.Array], Any]
+SkipFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+class MultiStepsState(NamedTuple):
+  """State of `MultiSteps`: the fields of `optax.MultiStepsState`, and three more.
+
+  Attributes:
+    mini_step: int32, the mini-steps accumulated so far in the current window.
+    gradient_step: int32, the windows completed, i.e. inner optimizer steps.
+    inner_opt_state: the state of the wrapped optimizer.
+    acc_grads: the window's gradients so far, in the accumulator dtype: their
+      weighted mean (`use_grad_mean=True`) or weighted sum. After the call that
+      ends a window (`emitted`), its buffer holds that call's updates instead;
+      the next call starts the new window from zero.
+    skip_state: what `should_skip_update_fn` returned on the last call.
+    acc_weight: float32, the sum of the weights accumulated in the window.
+    emitted: bool, whether the call that returned this state applied the inner
+      optimizer (what `MultiSteps.has_updated` reads).
+    num_skipped: int32, the mini-steps `should_skip_update_fn` has rejected.
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  inner_opt_state: Any
+  acc_grads: Any
+  skip_state: Any = ()
+  acc_weight: jax.Array | float = 0.0
+  emitted: jax.Array | bool = False
+  num_skipped: jax.Array | int = 0
+
+
+def _check_steps(value: Any, where: str) -> Any:
+  """Checks a window length: a positive int, or an integer scalar array."""
+  if isinstance(value, bool | np.bool_) or getattr(value, "dtype", None) == np.bool_:
+    raise TypeError(f"{where} must be a positive int, got the bool {value!r}.")
+  if isinstance(value, int | np.integer):
+    steps = operator.index(value)
+  elif isinstance(value, jax.Array | np.ndarray) and jnp.issubdtype(
+    value.dtype, jnp.integer
+  ):
+    if value.ndim:
+      raise ValueError(f"{where} must be a scalar, got shape {value.shape}.")
+    try:
+      steps = int(value)
+    except jax.errors.ConcretizationTypeError:
+      return value  # A traced length cannot be checked; below 1 acts as 1.
+  else:
+    got = getattr(value, "dtype", type(value).__name__)
+    raise TypeError(
+      f"{where} must be a positive int (or an integer array), got {value!r:.60} "
+      f"of type {got}; round it, e.g. int(k)."
+    )
+  if steps < 1:
+    raise ValueError(f"{where} must be a positive int, got {steps}.")
+  return value
+
+
+def _check_weight(weight: Any) -> jax.Array:
+  """Checks a mini-step weight: a non-negative, finite, numeric scalar."""
+  if not isinstance(weight, int | float | jax.Array | np.ndarray | np.generic) or (
+    jnp.result_type(weight) == np.bool_
+  ):
+    raise TypeError(
+      "weight must be a numeric scalar (e.g. the micro-batch's number of real "
+      f"tokens), got {type(weight).__name__} {weight!r:.60}."
+    )
+  if jnp.ndim(weight) != 0:
+    raise ValueError(
+      f"weight must be a scalar, got shape {jnp.shape(weight)}; reduce it, "
+      "e.g. `mask.sum()`."
+    )
+  try:
+    value = float(weight)
+  except jax.errors.ConcretizationTypeError:
+    value = 0.0  # A traced weight cannot be checked here.
+  if not 0 <= value < np.inf:
+    raise ValueError(f"weight must be finite and >= 0, got {value}.")
+  return jnp.asarray(weight, jnp.float32)
+
+
+def _cast(tree: Any, types: Any) -> Any:
+  """Casts each leaf of `tree` to the dtype of the matching leaf of `types`."""
+  return jax.tree.map(lambda x, t: x.astype(t.dtype), tree, types)
+
+
+def _structure(tree: Any) -> str:
+  text = str(jax.tree.structure(tree))
+  return text if len(text) <= 200 else text[:200] + "…"
+
+
+class MultiSteps:
+  """Accumulates gradients over several `update` calls; steps `opt` once per window.
+
+  A drop-in for `optax.MultiSteps`, with the same arguments, state fields and
+  methods. Each call to `update` takes the gradients of one micro-batch (one
+  "mini-step"); after `every_k_schedule(gradient_step)` accepted mini-steps the
+  window ends, the inner optimizer runs once on their mean and its updates are
+  returned. Every other call returns exact zeros. What a call computes::
+
+    def update(g, state, params, weight=1, **extra_args):
+      if should_skip_update_fn(g, gradient_step, params): return zeros  # counted
+      acc, total = acc + weight * g, total + weight   # kept as a running mean
+      if the window now holds every_k_schedule(gradient_step) mini-steps:
+        updates, inner = opt.update(acc / total, inner, params, **extra_args)
+        acc, total = 0, 0         # by `where` on the next call, not `0 * acc`
+        return updates
+      return zeros
+
+  Unlike `optax.MultiSteps`, `opt.update` runs only on the call that ends a
+  window (in a `lax.cond`; under `vmap` over states at different mini-steps
+  the cond becomes a select that computes both sides, still correct), so K
+  mini-steps cost one inner step. The conditional hands one buffer through,
+  holding the accumulator or the updates, and the next window resets it, so
+  with donated state `update` neither copies nor allocates a params-sized
+  array. Since `opt` sees only the window's mean, anything in it (clipping, a
+  schedule, Adam's count) acts once per window, on the mean gradient.
+
+  Args:
+    opt: the inner optimizer, any `optax.GradientTransformation`; it goes
+      through `optax.with_extra_args_support`, so `update`'s extra keyword
+      arguments (e.g. `value=` for `optax.lbfgs`) reach it on the emitting call.
+    every_k_schedule: the mini-steps per window, a positive int, or a function
+      of `gradient_step` returning one (an integer array under `jit`; a traced
+      value below 1 acts as 1).
+    use_grad_mean: if True the inner optimizer gets the (weighted) mean of the
+      window's gradients, otherwise their (weighted) sum.
+    should_skip_update_fn: `fn(updates, gradient_step, params) -> (skip,
+      skip_state)`, e.g. `optax.skip_not_finite`; a skipped call changes nothing
+      but `skip_state` and `num_skipped`, and returns zeros.
+    accumulator_dtype: floating params narrower than this (bf16) accumulate in
+      it; wider ones in their own dtype; `None` keeps the params' dtypes.
+
+  Raises:
+    TypeError, ValueError: for a bad argument, naming it, what was expected and
+      what was received; `update` also checks `weight` and the state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaccum
+    >>> opt = jaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = opt.init(params)
+    >>> for g in (1.0, 3.0):
+    ...   updates, state = opt.update({"w": jnp.full(2, g)}, state, params)
+    ...   print(updates["w"], bool(opt.has_updated(state)))
+    [0. 0.] False
+    [-0.2 -0.2] True
+  """
+
+  def __init__(
+    self,
+    opt: optax.GradientTransformation,
+    every_k_schedule: EveryK,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: SkipFn | None = None,
+    accumulator_dtype: Any = jnp.float32,
+  ):
+    if not (
+      callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))
+    ):
+      raise TypeError(
+        f"opt must be an optax.GradientTransformation, got {type(opt).__name__}."
+      )
+    if not callable(every_k_schedule):
+      _check_steps(every_k_schedule, "every_k_schedule")
+    if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+      raise TypeError(
+        "should_skip_update_fn must be callable or None, got "
+        f"{type(should_skip_update_fn).__name__}."
+      )
+    if accumulator_dtype is not None:
+      try:
+        floating = jnp.issubdtype(np.dtype(accumulator_dtype), jnp.floating)
+      except TypeError:
+        floating = False
+      if not floating:
+        raise TypeError(
+          "accumulator_dtype must be a floating dtype (e.g. jnp.float32) or None, "
+          f"got {accumulator_dtype!r}."
+        )
+      accumulator_dtype = np.dtype(accumulator_dtype)
+    self._opt = optax.with_extra_args_support(opt)
+    self._every_k_schedule = every_k_schedule
+    self._use_grad_mean = bool(use_grad_mean)
+    self._should_skip_update_fn = should_skip_update_fn
+    self._accumulator_dtype = accumulator_dtype
+    self._update_jit = jax.jit(self._update)
+
+  @property
+  def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+    """The wrapped optimizer, with extra-argument support."""
+    return self._opt
+
+  def _steps_in_window(self, gradient_step: jax.Array) -> Any:
+    if not callable(self._every_k_schedule):
+      return self._every_k_schedule
+    steps = self._every_k_schedule(gradient_step)
+    return _check_steps(steps, "every_k_schedule(gradient_step)")
+
+  def _acc_dtype(self, param: Any) -> np.dtype:
+    dtype = jnp.result_type(param)
+    if self._accumulator_dtype is None:
+      return dtype
+    return jnp.promote_types(dtype, self._accumulator_dtype)
+
+  def init(self, params: optax.Params) -> MultiStepsState:
+    """Returns the state before the first mini-step: empty window, step 0."""
+    gradient_step = jnp.zeros([], jnp.int32)
+    self._steps_in_window(gradient_step)  # a bad schedule fails here, not later
+    skip_state = ()
+    if self._should_skip_update_fn is not None:
+      zeros = optax.tree.zeros_like(params)
+      _, skip_state = self._should_skip_update_fn(zeros, gradient_step, params)
+    return MultiStepsState(
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=gradient_step,
+      inner_opt_state=self._opt.init(params),
+      acc_grads=jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), self._acc_dtype(p)), params
+      ),
+      skip_state=skip_state,
+      acc_weight=jnp.zeros([], jnp.float32),
+      emitted=jnp.zeros([], bool),
+      num_skipped=jnp.zeros([], jnp.int32),
+    )
+
+  def _check_state(self, state: Any, updates: optax.Updates) -> None:
+    if not isinstance(state, MultiStepsState):
+      raise TypeError(
+        "state must be the jaccum.MultiStepsState made by this MultiSteps' init, "
+        f"got {type(state).__module__}.{type(state).__qualname__}."
+      )
+    if jax.tree.structure(state.acc_grads) != jax.tree.structure(updates):
+      raise ValueError(
+        "updates must have the structure of the params given to init, "
+        f"{_structure(state.acc_grads)}, got {_structure(updates)}."
+      )
+    for (path, acc), update in zip(
+      jax.tree_util.tree_flatten_with_path(state.acc_grads)[0],
+      jax.tree.leaves(updates),
+      strict=True,
+    ):
+      if jnp.shape(acc) != jnp.shape(update):
+        raise ValueError(
+          f"updates{jax.tree_util.keystr(path)} must have the shape of its "
+          f"param, {jnp.shape(acc)}, got {jnp.shape(update)}."
+        )
+    expected = jax.eval_shape(self._opt.init, updates)
+    if jax.tree.structure(state.inner_opt_state) != jax.tree.structure(expected):
+      raise TypeError(
+        "state.inner_opt_state must come from this MultiSteps' inner optimizer, "
+        f"whose state is {_structure(expected)}, got "
+        f"{_structure(state.inner_opt_state)}; pass the state its init returned."
+      )
+
+  def update(
+    self,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None = None,
+    *,
+    weight: Any = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, MultiStepsState]:
+    """Accumulates one mini-step; on the last of a window, steps the inner optimizer.
+
+    Args:
+      updates: this mini-step's gradients, structured like the params.
+      state: the state from `init` or the previous `update`.
+      params: the current params, passed to the inner optimizer.
+      weight: this mini-step's weight, e.g. its number of real tokens: the
+        window's gradient is `Σ w·g / Σ w` (a total of 0 gives zeros). A
+        weight of 0 contributes nothing, even if `updates` is NaN. A concrete
+        weight must be finite and >= 0; a traced one cannot be checked.
+      **extra_args: passed to the inner optimizer on the emitting call.
+
+    Returns:
+      `(updates, new_state)`: the inner optimizer's updates on the call that
+      ends a window, exact zeros (of the same dtypes) on every other call.
+    """
+    self._check_state(state, updates)
+    self._steps_in_window(state.gradient_step)  # checks a schedule's value
+    if weight is not None:
+      weight = _check_weight(weight)
+    leaves = jax.tree.leaves((updates, state, params, weight, extra_args))
+    if all(isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves):
+      # Through a cached jit: called eagerly, one compilation instead of a
+      # fresh cond on every call; under an outer jit it is simply inlined.
+      return self._update_jit(updates, state, params, weight, extra_args)
+    return self._update(updates, state, params, weight, extra_args)
+
+  def _update(
+    self,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None,
+    weight: jax.Array | None,
+    extra_args: dict[str, Any],
+  ) -> tuple[optax.Updates, MultiStepsState]:
+    steps = self._steps_in_window(state.gradient_step)
+    skip, skip_state = jnp.zeros([], bool), state.skip_state
+    if self._should_skip_update_fn is not None:
+      skip, skip_state = self._should_skip_update_fn(
+        updates, state.gradient_step, params
+      )
+      skip = jnp.asarray(skip)
+      if (skip.dtype, skip.shape) != (np.bool_, ()):
+        raise ValueError(
+          "should_skip_update_fn must return a bool scalar as its first output, "
+          f"got {skip.dtype}{list(skip.shape)}."
+        )
+    accepted = jnp.logical_not(skip)
+    adds = accepted
+    if weight is None:
+      weight = jnp.ones([], jnp.float32)
+    else:
+      adds = accepted & (weight != 0)  # `where`, not a product: NaN·0 is NaN
+    total = state.acc_weight + jnp.where(adds, weight, 0)
+
+    def accumulate(acc, grad):
+      # After a window ends, acc_grads holds that call's updates (the buffer is
+      # reused); `where` starts the new window from 0 whatever they hold, NaN
+      # included. Resetting here rather than on the emitting call saves a
+      # params-sized buffer and a pass over it.
+      acc = jnp.where(state.emitted, 0, acc)
+      grad, scale = grad.astype(acc.dtype), weight.astype(acc.dtype)
+      if self._use_grad_mean:  # a running mean, as optax keeps in acc_grads
+        scale = scale / jnp.where(total != 0, total, 1).astype(acc.dtype)
+        new = acc + scale * (grad - acc)
+      else:
+        new = acc + scale * grad
+      return jnp.where(adds, new, acc)
+
+    # Accumulating outside the cond lets each gradient die as soon as it is
+    # added, instead of all of them living until the cond ends.
+    acc_grads = jax.tree.map(accumulate, state.acc_grads, updates)
+    grad_types = jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape, u.dtype), updates)
+
+    def inner_step(acc, inner_state, params):
+      return self._opt.update(_cast(acc, grad_types), inner_state, params, **extra_args)
+
+    update_types, _ = jax.eval_shape(
+      inner_step, acc_grads, state.inner_opt_state, params
+    )
+    if jax.tree.structure(update_types) != jax.tree.structure(acc_grads) or any(
+      u.shape != g.shape
+      for u, g in zip(
+        jax.tree.leaves(update_types), jax.tree.leaves(grad_types), strict=True
+      )
+    ):
+      raise TypeError(
+        "opt.update must return updates shaped like its gradients, "
+        f"{_structure(acc_grads)}, got {_structure(update_types)}."
+      )
+    # One buffer, the "carrier", leaves the cond and becomes acc_grads: the
+    # new updates when the window ends, the untouched accumulator otherwise.
+    # Neither branch makes a params-sized array, so with donated state XLA
+    # runs the whole call in place; `where` below zeroes the updates of a
+    # call that does not end a window.
+    carrier_types = jax.tree.map(
+      lambda u, a: jax.ShapeDtypeStruct(u.shape, jnp.promote_types(u.dtype, a.dtype)),
+      update_types,
+      acc_grads,
+    )
+
+    def emit_branch(acc, inner_state, params):
+      new_updates, new_inner_state = inner_step(acc, inner_state, params)
+      # Keep the inner state's dtypes, as optax does: gradients narrower than
+      # the params (bf16 grads, f32 params) would change those of Adam's moments.
+      new_inner_state = jax.tree.map(
+        lambda new, old: new.astype(jnp.result_type(old)), new_inner_state, inner_state
+      )
+      return _cast(new_updates, carrier_types), new_inner_state
+
+    def keep_branch(acc, inner_state, params):
+      del params
+      return _cast(acc, carrier_types), inner_state
+
+    emit = accepted & (state.mini_step + 1 >= steps)
+    carrier, inner_opt_state = jax.lax.cond(
+      emit, emit_branch, keep_branch, acc_grads, state.inner_opt_state, params
+    )
+    new_updates = jax.tree.map(
+      lambda c, t: jnp.where(emit, c, 0).astype(t.dtype), carrier, update_types
+    )
+    new_state = MultiStepsState(
+      mini_step=jnp.where(emit, 0, state.mini_step + accepted.astype(jnp.int32)),
+      gradient_step=jnp.where(
+        emit, optax.safe_increment(state.gradient_step), state.gradient_step
+      ),
+      inner_opt_state=inner_opt_state,
+      acc_grads=_cast(carrier, acc_grads),
+      skip_state=skip_state,
+      acc_weight=jnp.where(emit, 0, total),
+      emitted=emit,
+      num_skipped=state.num_skipped + skip.astype(jnp.int32),
+    )
+    return new_updates, new_state
+
+  def has_updated(self, state: MultiStepsState) -> jax.Array:
+    """Whether the call that returned `state` applied the inner optimizer."""
+    return jnp.asarray(state.emitted)
+
+  def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """Returns `(init, update)` as an optax transformation, for `optax.chain`."""
+    # The ignore: `update` narrows optax's `OptState` to MultiStepsState.
+    return optax.GradientTransformationExtraArgs(self.init, self.update)  # pyright: ignore[reportArgumentType]
