@@ -182,8 +182,9 @@ def test_fsdp_gradients_stay_sharded_like_params(problem):
     assert grads[name].sharding.spec == spec, (name, grads[name].sharding)
 
 
-def test_multi_axis_mesh_only_data_is_manual(problem):
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_multi_axis_mesh_only_data_is_manual(kind, problem):
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind,) * 2)
   params, x, y = problem
   params = jax.device_put(params, NamedSharding(mesh, P()))
   params["w"] = jax.device_put(params["w"], NamedSharding(mesh, P(None, "model")))
@@ -192,6 +193,13 @@ def test_multi_axis_mesh_only_data_is_manual(problem):
   value, grads = step(params, x, y)
   assert grads["w"].sharding.spec == P(None, "model")
   assert_trees_close(jax.device_get((value, grads)), GRAD_FN(*problem), rtol=1e-5)
+  # A model-sharded w makes the model itself communicate over "model" in
+  # every micro-step (its row-parallel matmul); with params replicated over
+  # "model", all that remains is the one all-reduce over "data".
+  params = jax.device_put(problem[0], NamedSharding(mesh, P()))
+  counts = jaccum.inspect.collectives(step, params, x, y)
+  assert counts.inside_loops == 0, counts
+  assert counts.all_reduce.outside_loops == 1, counts
 
 
 SEQ = 12
