@@ -26,14 +26,12 @@ The table is printed and saved as JSON under benchmarks/results/.
 """
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import pathlib
-import platform
 import time
 
+import _record
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,9 +39,6 @@ import optax
 from optax import microbatching
 
 import jaccum
-
-RESULTS = pathlib.Path(__file__).parent / "results"
-
 
 # --- models: per-example-mean losses, plain JAX ------------------------------
 
@@ -268,26 +263,6 @@ def table(results):
   return "\n".join(lines)
 
 
-def machine():
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-  except (OSError, StopIteration):
-    pass
-  return {
-    "cpu": cpu,
-    "cores": os.cpu_count(),
-    "backend": jax.default_backend(),
-    "devices": [str(d) for d in jax.devices()],
-    "python": platform.python_version(),
-    "jax": jax.__version__,
-    "jaxlib": jax.lib.__version__,
-    "optax": optax.__version__,
-    "jaccum": jaccum.__version__,
-  }
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="K in {1, 4, 32}")
@@ -307,23 +282,14 @@ def main():
   elapsed = time.perf_counter() - start
 
   print(
-    f"\n{machine()['cpu']}, {os.cpu_count()} cores, jax {jax.__version__}, "
+    f"\n{_record.machine()['cpu']}, {os.cpu_count()} cores, jax {jax.__version__}, "
     f"optax {optax.__version__}; median of {rounds} rounds; {elapsed:.0f} s\n"
   )
   print(table(results))
-  out = args.out or RESULTS / f"core{'-quick' if args.quick else ''}.json"
-  out.parent.mkdir(parents=True, exist_ok=True)
-  record = {
-    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": machine(),
-    "rounds": rounds,
-    "seconds_total": elapsed,
-    # Other work on the machine: the 1-minute load average before and after.
-    "load_average": [load_before[0], os.getloadavg()[0]],
-    "results": results,
-  }
-  out.write_text(json.dumps(record, indent=2) + "\n")
-  print(f"\nsaved {out}")
+  out = args.out or _record.RESULTS / f"core{'-quick' if args.quick else ''}.json"
+  _record.save(
+    out, load_before[0], rounds=rounds, seconds_total=elapsed, results=results
+  )
 
 
 if __name__ == "__main__":

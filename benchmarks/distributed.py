@@ -14,9 +14,7 @@ not of a network; the counts are what a real cluster would pay.
 """
 
 import argparse
-import json
-import pathlib
-import platform
+import os
 import statistics
 import time
 
@@ -24,6 +22,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any JAX computation
 
+import _record  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -65,6 +64,7 @@ def median_ms(fn, args, repeats):
 
 
 def main(quick: bool) -> None:
+  load_before = os.getloadavg()[0]
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   keys = jax.random.split(jax.random.key(0), 4)
   params = [jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5 for k in keys[:3]]
@@ -113,11 +113,8 @@ def main(quick: bool) -> None:
       f"{row['K']:>3}  {row['approach']:<22}{row['all_reduce_in_loop']:>19}"
       f"{row['all_reduce_outside']:>9}{row['step_ms']:>9.1f}"
     )
-  out = pathlib.Path(__file__).parent / "results" / "distributed.json"
-  out.parent.mkdir(exist_ok=True)
-  meta = {"jax": jax.__version__, "machine": platform.processor() or platform.machine()}
-  out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-  print(f"saved {out}")
+  name = "distributed-quick" if quick else "distributed"
+  _record.save(_record.RESULTS / f"{name}.json", load_before, rows=rows)
 
 
 if __name__ == "__main__":

@@ -32,14 +32,12 @@ The table is printed and saved as JSON under benchmarks/results/.
 """
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
-import platform
 import re
 import time
 
+import _record
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +45,6 @@ import optax
 
 import jaccum
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 K = 8
 MICROBATCH = 8  # rows per mini-step: small, as when memory forces accumulation
 
@@ -248,25 +245,6 @@ def table(results):
   return "\n".join(lines)
 
 
-def machine():
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-  except (OSError, StopIteration):
-    pass
-  return {
-    "cpu": cpu,
-    "cores": os.cpu_count(),
-    "backend": jax.default_backend(),
-    "python": platform.python_version(),
-    "jax": jax.__version__,
-    "jaxlib": jax.lib.__version__,
-    "optax": optax.__version__,
-    "jaccum": jaccum.__version__,
-  }
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="smaller models")
@@ -286,26 +264,17 @@ def main():
   elapsed = time.perf_counter() - start
 
   print(
-    f"\n{machine()['cpu']}, {os.cpu_count()} cores, jax {jax.__version__}, "
+    f"\n{_record.machine()['cpu']}, {os.cpu_count()} cores, jax {jax.__version__}, "
     f"optax {optax.__version__}; K={K}, {MICROBATCH} rows per mini-step, "
     f"{'no donation' if args.no_donate else 'params and state donated'}; "
     f"median of {rounds} windows; {elapsed:.0f} s\n"
   )
   print(table(results))
   suffix = ("-quick" if args.quick else "") + ("-no-donate" if args.no_donate else "")
-  out = args.out or RESULTS / f"multisteps{suffix}.json"
-  out.parent.mkdir(parents=True, exist_ok=True)
-  record = {
-    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": machine(),
-    "rounds": rounds,
-    "seconds_total": elapsed,
-    # Other work on the machine: the 1-minute load average before and after.
-    "load_average": [load_before[0], os.getloadavg()[0]],
-    "results": results,
-  }
-  out.write_text(json.dumps(record, indent=2) + "\n")
-  print(f"\nsaved {out}")
+  out = args.out or _record.RESULTS / f"multisteps{suffix}.json"
+  _record.save(
+    out, load_before[0], rounds=rounds, seconds_total=elapsed, results=results
+  )
 
 
 if __name__ == "__main__":
