@@ -53,14 +53,18 @@ def naive(num_microbatches):
   return jax.jit(step)
 
 
-def median_ms(fn, args, repeats):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - start))
-  return statistics.median(times)
+def interleaved_ms(steps, args, rounds):
+  """Median ms of each step, run in alternating order so load hits all alike."""
+  for step in steps.values():
+    jax.block_until_ready(step(*args))
+  times = {name: [] for name in steps}
+  for round_ in range(rounds):
+    names = list(steps)[round_ % 2 :] + list(steps)[: round_ % 2]
+    for name in names:
+      start = time.perf_counter()
+      jax.block_until_ready(steps[name](*args))
+      times[name].append(1e3 * (time.perf_counter() - start))
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(quick: bool) -> None:
@@ -80,6 +84,7 @@ def main(quick: bool) -> None:
       ),
     }
     reference = steps["naive jit+scan"](params, x)
+    step_ms = interleaved_ms(steps, (params, x), 6 if quick else 30)
     for name, step in steps.items():
       error = jax.tree.reduce(
         max,
@@ -97,7 +102,7 @@ def main(quick: bool) -> None:
           "all_reduce_outside": counts.all_reduce.outside_loops,
           "collectives_in_loop": counts.inside_loops,
           "collectives_outside": counts.outside_loops,
-          "step_ms": median_ms(step, (params, x), 5 if quick else 20),
+          "step_ms": step_ms[name],
         }
       )
 
