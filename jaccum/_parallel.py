@@ -214,7 +214,7 @@ def run_sharded(
   # accumulation abstractly first.
   rows = batch_size // num_devices
   flat, treedef = jax.tree.flatten(args)
-  batch_leaves = {id(x) for i in at.batch for x in jax.tree.leaves(args[i])}
+  in_batch = [i in at.batch for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
   arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
 
   def one_device(*abstract):
@@ -228,7 +228,7 @@ def run_sharded(
 
   local_batch = [
     jax.ShapeDtypeStruct(
-      (rows, *flat[i].shape[1:]) if id(flat[i]) in batch_leaves else flat[i].shape,
+      (rows, *flat[i].shape[1:]) if in_batch[i] else flat[i].shape,
       flat[i].dtype,
     )
     for i in arrays
