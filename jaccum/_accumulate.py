@@ -377,6 +377,8 @@ def accumulate(
 
   Returns:
     A function with `grad_fn`'s signature, usable with or without `jit`.
+    Put it inside your jitted train step: called eagerly, it traces and
+    compiles its loop again on every call.
 
   Raises:
     TypeError, ValueError: on bad arguments, when `accumulate` is called or
