@@ -93,21 +93,6 @@ def _check_state_output(out: Any, state: Any) -> Any:
   return out
 
 
-def _check_weight(weight: Any) -> jax.Array:
-  numeric = isinstance(weight, int | float | jax.Array | np.ndarray | np.generic)
-  if not numeric or isinstance(weight, bool) or jnp.result_type(weight) == np.bool_:
-    raise TypeError(
-      "weight_fn must return a numeric scalar (e.g. the number of real "
-      f"tokens), got {type(weight).__name__} {weight!r:.60}."
-    )
-  if jnp.ndim(weight) != 0:
-    raise ValueError(
-      f"weight_fn must return a scalar, got shape {jnp.shape(weight)}; "
-      "reduce it, e.g. `mask.sum()`."
-    )
-  return jnp.asarray(weight)
-
-
 class Config(NamedTuple):
   """`accumulate`'s options, checked; `data_parallel` adds FSDP scattering."""
 
@@ -153,7 +138,7 @@ def make_config(
     batch_argnums=_check_batch_argnums(batch_argnums),
     reduce=reduce,
     weight_fn=weight_fn,
-    accum_dtype=_reduce.check_accum_dtype(accum_dtype),
+    accum_dtype=_reduce.check_accum_dtype(accum_dtype, "accum_dtype"),
     rng_argnum=_check_argnum(rng_argnum, "rng_argnum"),
     state_argnum=_check_argnum(state_argnum, "state_argnum"),
     axes=None if axis_name is None else _collective.axis_tuple(axis_name),
@@ -244,7 +229,9 @@ def run(config: Config, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
       out, state = _check_state_output(out, args[at.state])
     weight = None
     if config.weight_fn is not None:
-      weight = _check_weight(config.weight_fn(*step_args))
+      weight = _reduce.check_weight(
+        config.weight_fn(*step_args), "weight_fn must return"
+      )
     return out, state, weight
 
   state0 = None if at.state is None else args[at.state]

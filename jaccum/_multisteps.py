@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaccum import _reduce
+
 EveryK = int | Callable[[jax.Array], Any]
 SkipFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -76,26 +78,15 @@ def _check_steps(value: Any, where: str) -> Any:
 
 
 def _check_weight(weight: Any) -> jax.Array:
-  """Checks a mini-step weight: a non-negative, finite, numeric scalar."""
-  if not isinstance(weight, int | float | jax.Array | np.ndarray | np.generic) or (
-    jnp.result_type(weight) == np.bool_
-  ):
-    raise TypeError(
-      "weight must be a numeric scalar (e.g. the micro-batch's number of real "
-      f"tokens), got {type(weight).__name__} {weight!r:.60}."
-    )
-  if jnp.ndim(weight) != 0:
-    raise ValueError(
-      f"weight must be a scalar, got shape {jnp.shape(weight)}; reduce it, "
-      "e.g. `mask.sum()`."
-    )
+  """Checks a mini-step weight: a numeric scalar, and if concrete finite and >= 0."""
+  weight = _reduce.check_weight(weight, "weight must be")
   try:
     value = float(weight)
   except jax.errors.ConcretizationTypeError:
     value = 0.0  # A traced weight cannot be checked here.
   if not 0 <= value < np.inf:
     raise ValueError(f"weight must be finite and >= 0, got {value}.")
-  return jnp.asarray(weight, jnp.float32)
+  return weight.astype(jnp.float32)
 
 
 def _cast(tree: Any, types: Any) -> Any:
@@ -187,17 +178,9 @@ class MultiSteps:
         "should_skip_update_fn must be callable or None, got "
         f"{type(should_skip_update_fn).__name__}."
       )
-    if accumulator_dtype is not None:
-      try:
-        floating = jnp.issubdtype(np.dtype(accumulator_dtype), jnp.floating)
-      except TypeError:
-        floating = False
-      if not floating:
-        raise TypeError(
-          "accumulator_dtype must be a floating dtype (e.g. jnp.float32) or None, "
-          f"got {accumulator_dtype!r}."
-        )
-      accumulator_dtype = np.dtype(accumulator_dtype)
+    accumulator_dtype = _reduce.check_accum_dtype(
+      accumulator_dtype, "accumulator_dtype"
+    )
     self._opt = optax.with_extra_args_support(opt)
     self._every_k_schedule = every_k_schedule
     self._use_grad_mean = bool(use_grad_mean)

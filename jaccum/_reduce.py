@@ -14,20 +14,41 @@ Reduction = Literal["mean", "sum", "concat", "last", "max"]
 REDUCTIONS = ("mean", "sum", "concat", "last", "max")
 
 
-def check_accum_dtype(accum_dtype: Any) -> np.dtype | None:
+def check_accum_dtype(accum_dtype: Any, name: str) -> np.dtype | None:
+  """Returns the accumulator dtype (floating, or None); `name` is the argument's."""
   if accum_dtype is None:
     return None
   try:
     dtype = np.dtype(accum_dtype)
   except TypeError:
     raise TypeError(
-      f"accum_dtype must be a floating dtype or None, got {accum_dtype!r}."
+      f"{name} must be a floating dtype or None, got {accum_dtype!r}."
     ) from None
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
-      f"accum_dtype must be a floating dtype (e.g. jnp.float32) or None, got {dtype}."
+      f"{name} must be a floating dtype (e.g. jnp.float32) or None, got {dtype}."
     )
   return dtype
+
+
+def check_weight(weight: Any, what: str) -> jax.Array:
+  """Returns a weight as an array if it is a numeric scalar, else raises.
+
+  Args:
+    weight: the weight of one micro-batch.
+    what: how the message starts, e.g. "weight_fn must return".
+  """
+  numeric = isinstance(weight, int | float | jax.Array | np.ndarray | np.generic)
+  if not numeric or jnp.result_type(weight) == np.bool_:
+    raise TypeError(
+      f"{what} a numeric scalar (e.g. the number of real tokens), got "
+      f"{type(weight).__name__} {weight!r:.60}."
+    )
+  if jnp.ndim(weight) != 0:
+    raise ValueError(
+      f"{what} a scalar, got shape {jnp.shape(weight)}; reduce it, e.g. `mask.sum()`."
+    )
+  return jnp.asarray(weight)
 
 
 def check_reduce_spec(reduce: Any) -> None:
