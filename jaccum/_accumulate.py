@@ -286,7 +286,7 @@ def _explicit_batch_axes(args: Sequence[Any], at: Positions) -> tuple[str, ...] 
       spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
       if not spec or spec[0] is None or mesh is None:
         return None
-      axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+      axes = _collective.spec_axes(spec[0])
       types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
       if any(types[a] != jax.sharding.AxisType.Explicit for a in axes):
         return None

@@ -34,6 +34,11 @@ def axis_tuple(axis_name: Any) -> tuple[str, ...]:
   return tuple(names)
 
 
+def spec_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one `PartitionSpec` entry names: None, a name or a tuple."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def varying_axes(x: Any) -> frozenset[str]:
   """The manual mesh axes over which `x` (an array or a ShapeDtypeStruct) varies."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)

@@ -9,10 +9,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaccum import _accumulate
+from jaccum import _accumulate, _collective
 from jaccum._accumulate import Config
 
 P = jax.sharding.PartitionSpec
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
 
 
 def data_parallel(
@@ -98,7 +102,7 @@ def _find_mesh(args: tuple[Any, ...], at: _accumulate.Positions):
 def _sharded_dim(spec: P, axes: tuple[str, ...]) -> int | None:
   """The dimension a `PartitionSpec` shards over `axes`, if any."""
   for dim, entry in enumerate(spec):
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    names = _collective.spec_axes(entry)
     if names == axes:
       return dim
     if set(names) & set(axes):
@@ -117,7 +121,7 @@ def _grad_specs(out: Any, params: Any, params_specs: Any) -> list[Any]:
   """
   params_def = jax.tree.structure(params)
   shapes = [jax.numpy.shape(p) for p in jax.tree.leaves(params)]
-  specs = jax.tree.leaves(params_specs, is_leaf=lambda x: isinstance(x, P))
+  specs = jax.tree.leaves(params_specs, is_leaf=_is_spec)
 
   def is_grads(node):
     leaves, treedef = jax.tree.flatten(node)
@@ -158,10 +162,8 @@ def run_sharded(
 
   params_specs = None
   if param_specs is not None:
-    params_specs = jax.tree.broadcast(
-      param_specs, args[0], is_leaf=lambda x: isinstance(x, P)
-    )
-    for spec in jax.tree.leaves(params_specs, is_leaf=lambda x: isinstance(x, P)):
+    params_specs = jax.tree.broadcast(param_specs, args[0], is_leaf=_is_spec)
+    for spec in jax.tree.leaves(params_specs, is_leaf=_is_spec):
       _sharded_dim(spec, axes)  # raises on a spec FSDP cannot serve
   in_specs = tuple(
     P(axes)
