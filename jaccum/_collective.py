@@ -1,42 +1,24 @@
 """Device-varying values and the one cross-device reduction after the loop.
 
-Inside `shard_map`, JAX tracks which mesh axes a value varies over. A gradient
-taken with respect to a device-invariant (replicated) parameter of a loss on a
-device-varying batch is itself made invariant by a `psum` that JAX inserts into
-the backward pass: inside a loop, one all-reduce per micro-batch. Casting the
-parameters to varying before the loop removes that psum; the loop then runs
-with no communication, and `all_reduce` combines the devices once.
+Inside a `shard_map` that checks types (the default), JAX tracks which mesh
+axes a value varies over. A gradient taken with respect to a device-invariant
+(replicated) parameter of a loss on a device-varying batch is itself made
+invariant by a `psum` that JAX inserts into the backward pass: inside a loop,
+one all-reduce per micro-batch. Casting the parameters to varying before the
+loop removes that psum; the loop then runs with no communication, and
+`all_reduce` combines the devices once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaccum import _reduce
-
-AxisName = str | tuple[str, ...]
-
-
-def axis_tuple(axis_name: Any) -> tuple[str, ...]:
-  names = (axis_name,) if isinstance(axis_name, str) else axis_name
-  if (
-    not isinstance(names, Sequence)
-    or not names
-    or not all(isinstance(n, str) for n in names)
-  ):
-    raise TypeError(
-      f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}."
-    )
-  return tuple(names)
-
-
-def spec_axes(entry: Any) -> tuple[str, ...]:
-  """The mesh axes one `PartitionSpec` entry names: None, a name or a tuple."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -59,73 +41,116 @@ def cast_varying(tree: Any, axes: Sequence[str] | frozenset[str]) -> Any:
 
 
 def match_varying(tree: Any, like: Any) -> Any:
-  """Casts `tree`'s leaves to vary like the matching leaves of `like`.
+  """Casts `tree`'s array leaves to vary like the matching leaves of `like`.
 
   A scan carry must keep its type across iterations: an accumulator
   initialised from zeros is invariant, the micro-step outputs it absorbs may
-  vary over the data axis.
+  vary over the data axis. `like` is the primary tree: `tree` may hold None
+  where nothing is carried.
   """
-  return jax.tree.map(lambda x, y: cast_varying(x, varying_axes(y)), tree, like)
+  return jax.tree.map(
+    lambda y, x: x if x is None else cast_varying(x, varying_axes(y)), like, tree
+  )
+
+
+def _jaxprs(jaxpr: jex.Jaxpr) -> Iterator[jex.Jaxpr]:
+  yield jaxpr
+  for sub in jex.subjaxprs(jaxpr):
+    yield from _jaxprs(sub)
+
+
+def sums_over(jaxpr: jex.Jaxpr, axes: Sequence[str]) -> bool:
+  """Whether `jaxpr` (or a program nested in it) sums over any of `axes`."""
+  return any(
+    eqn.primitive.name in ("psum", "psum_invariant")
+    and set(eqn.params.get("axes", ())) & set(axes)
+    for sub in _jaxprs(jaxpr)
+    for eqn in sub.eqns
+  )
+
+
+def _device_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Device 0's value of `x` on every device (exact for any dtype, keys too)."""
+  is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(x) if is_key else x
+  as_int = data.astype(jnp.int32) if data.dtype == jnp.bool_ else data
+  first = jax.lax.psum(
+    jnp.where(jax.lax.axis_index(axes) == 0, as_int, jnp.zeros_like(as_int)), axes
+  )
+  first = first.astype(data.dtype)
+  return (
+    jax.random.wrap_key_data(first, impl=jax.random.key_impl(x)) if is_key else first
+  )
 
 
 def all_reduce(
   leaves: Any,
   acc: Any,
-  total: jax.Array | int,
+  total: jax.Array | None,
   state: Any,
-  axis_name: tuple[str, ...],
+  axes: tuple[str, ...],
   scatter: list[int | None] | None = None,
-) -> tuple[Any, jax.Array | int, Any]:
-  """Combines the per-device accumulators in one fused all-reduce.
+) -> tuple[Any, jax.Array | None, Any]:
+  """Combines the per-device accumulators, one fused all-reduce for the sums.
 
-  `"mean"` and `"sum"` leaves, the total weight and floating state leaves go
-  into a single `psum` (XLA fuses its operands into one all-reduce); `"max"`
-  leaves and non-floating state take one `pmax`. `"concat"` and `"last"`
-  leaves stay per device. Leaves given a dimension in `scatter` (one entry
-  per leaf; FSDP gradients) are reduce-scattered along it instead, so each
-  device keeps the shard its parameters live on. Floating state is averaged
-  over devices (e.g. BatchNorm statistics, as in synchronised BatchNorm);
-  other state takes the largest value (e.g. step counters, equal anyway).
+  `"sum"` and unweighted `"mean"` leaves are summed over devices. Weighted
+  `"mean"` leaves hold each device's weighted mean; they are combined as
+  `Σ_d total_d mean_d / Σ_d total_d`, in float32 at least. These sums, the
+  total weight and the floating state go into a single `psum` (XLA fuses its
+  operands into one all-reduce); `"max"` and `"min"` leaves take a `pmax` and
+  a `pmin`. `"concat"` and `"last"` leaves stay per device. Leaves given a
+  dimension in `scatter` (one entry per leaf; FSDP gradients) are
+  reduce-scattered along it instead, so each device keeps the shard its
+  parameters live on. Floating state is averaged over devices (BatchNorm
+  statistics, as synchronised BatchNorm does); other state (counters, keys,
+  flags) takes device 0's value.
 
   Returns:
-    `(acc, total, state)` with the sums taken over devices; an unweighted
-    total becomes `K × devices`.
+    `(acc, total, state)` combined over devices; `total` is the summed weight
+    (None when unweighted).
   """
   plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
   values = treedef.flatten_up_to(acc)
-  state_values, state_def = jax.tree.flatten(state)
-  floating = [jnp.issubdtype(jnp.result_type(s), jnp.inexact) for s in state_values]
-
   dims = [None] * len(plans) if scatter is None else scatter
-  for i, dim in enumerate(dims):
-    if dim is not None and plans[i].mode in ("mean", "sum"):
-      values[i] = jax.lax.psum_scatter(
-        values[i], axis_name, scatter_dimension=dim, tiled=True
-      )
+  weighted = total is not None
+
+  def summand(i):
+    if total is not None and plans[i].mode == "mean":
+      compute = jnp.promote_types(values[i].dtype, jnp.float32)
+      return values[i].astype(compute) * total.astype(compute)
+    return values[i]
+
   summed = [
     i for i, p in enumerate(plans) if p.mode in ("mean", "sum") and dims[i] is None
   ]
-  maxed = [i for i, p in enumerate(plans) if p.mode == "max"]
-  to_sum = [values[i] for i in summed] + [
-    s for s, f in zip(state_values, floating, strict=True) if f
-  ]
-  to_max = [values[i] for i in maxed] + [
-    s for s, f in zip(state_values, floating, strict=True) if not f
-  ]
-  weighted = not isinstance(total, int)
+  for i, dim in enumerate(dims):
+    if dim is not None and plans[i].mode in ("mean", "sum"):
+      values[i] = jax.lax.psum_scatter(
+        summand(i), axes, scatter_dimension=dim, tiled=True
+      )
+
+  state_values, state_def = jax.tree.flatten(state)
+  floating = [jnp.issubdtype(jnp.result_type(s), jnp.inexact) for s in state_values]
+  to_sum = [summand(i) for i in summed]
+  to_sum += [s for s, f in zip(state_values, floating, strict=True) if f]
   if weighted:
     to_sum.append(total)
-  to_sum = jax.lax.psum(to_sum, axis_name) if to_sum else []
-  to_max = jax.lax.pmax(to_max, axis_name) if to_max else []
-
-  num_devices = jax.lax.axis_size(axis_name)
-  total = to_sum.pop() if weighted else total * num_devices
-  sums, maxes = iter(to_sum), iter(to_max)
+  to_sum = jax.lax.psum(to_sum, axes) if to_sum else []
+  num_devices = jax.lax.axis_size(axes)
+  total = to_sum.pop() if weighted else None
+  sums = iter(to_sum)
   for i in summed:
     values[i] = next(sums)
-  for i in maxed:
-    values[i] = next(maxes)
-  state_values = [next(sums) / num_devices if f else next(maxes) for f in floating]
+  for i, p in enumerate(plans):
+    if p.mode in ("max", "min"):
+      values[i] = (jax.lax.pmax if p.mode == "max" else jax.lax.pmin)(values[i], axes)
+    if total is not None and p.mode == "mean":
+      safe = jnp.where(total != 0, total, 1).astype(values[i].dtype)
+      values[i] = jnp.where(total != 0, values[i] / safe, 0).astype(p.carry_dtype)
+  state_values = [
+    next(sums) / num_devices if f else _device_zero(s, axes)
+    for s, f in zip(state_values, floating, strict=True)
+  ]
   return (
     jax.tree.unflatten(treedef, values),
     total,

@@ -1,90 +1,112 @@
-"""`data_parallel`: accumulation over a device mesh with one reduction per step."""
+"""Accumulation over a mesh: every device loops over its own rows, then one reduction.
+
+The batch is viewed as `[devices, rows per device, ...]`, already laid out that
+way by its sharding, and the local loop runs under `vmap` over the device axis
+with `spmd_axis_name`, so XLA gives each device its own slice and nothing in
+the loop communicates. The user's function never runs under manual axes:
+closures, keyword arguments, static arguments and custom VJPs behave as on one
+device, and no psum enters a micro-step's backward pass. The per-device
+accumulators then go through one small `shard_map` that holds only jaccum's
+reduction (`_collective.all_reduce`: one fused psum, a reduce-scatter for FSDP
+gradients) and returns global arrays.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _accumulate, _collective
-from jaccum._accumulate import Config
+from jaccum import _collective, _config, _loop, _reduce
+from jaccum._config import Config, Positions
 
 P = jax.sharding.PartitionSpec
+AxisType = jax.sharding.AxisType
 
 
 def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
 
 
-def data_parallel(
-  grad_fn: Callable[..., Any],
-  num_microbatches: int,
-  *,
-  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-  axis: str | tuple[str, ...] = "data",
-  param_specs: Any = None,
-  **accumulate_kwargs: Any,
-) -> Callable[..., Any]:
-  """Accumulates over K micro-batches on every device, then reduces once.
+def spec_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one `PartitionSpec` entry names: None, a name or a tuple."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
-  Call the returned function under `jit` with global arrays whose batch is
-  sharded over `axis`. It wraps `jax.shard_map` so that each device runs
-  `accumulate(grad_fn, K, axis_name=axis)` on its own rows: the effective
-  batch is devices × K × micro-batch, nothing communicates inside the loop,
-  and one all-reduce combines the devices after it. This holds for meshes
-  with auto and explicit axis types and for multi-axis meshes (only `axis` is
-  made manual; other axes, e.g. `"model"`, keep their sharding).
 
-  With `param_specs` (FSDP / ZeRO style), the first argument (the params)
-  arrives sharded as those specs say: each sharded leaf is all-gathered once
-  before the loop, the accumulator stays local, and the gradients of those
-  leaves leave through one reduce-scatter, sharded like the params.
+def _is_typed_key(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
 
-  Args:
-    grad_fn: as for `accumulate`.
-    num_microbatches: micro-batches per device, K.
-    mesh: the device mesh; defaults to the mesh set with `jax.set_mesh`, else
-      the mesh of the batch's sharding.
-    axis: the mesh axis (or axes) the batch is sharded over.
-    param_specs: `PartitionSpec`s for the first argument (a pytree prefix of
-      it), for FSDP; `None` replicates it.
-    **accumulate_kwargs: any other option of `accumulate` (`batch_argnums`,
-      `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …).
 
-  Returns:
-    A function with `grad_fn`'s signature. `"mean"`, `"sum"` and `"max"`
-    leaves come back replicated, gradients of FSDP-sharded params sharded
-    like them, `"concat"` and `"last"` leaves sharded over `axis`.
+def _restore_key(before: Any, after: Any) -> Any:
+  if not _is_typed_key(before):
+    return after
+  folded = jax.random.key_data(jax.random.fold_in(before, 0))
+  unchanged = jnp.all(jax.random.key_data(after) == folded)
+  return jnp.where(unchanged, before, after)
 
-  Raises:
-    TypeError, ValueError: as `accumulate` does, and if `axis` is not a mesh
-      axis or the batch does not split into devices × K micro-batches.
 
-  Examples:
-    >>> import jax, jax.numpy as jnp, jaccum
-    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
-    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
-    >>> x = jnp.arange(32.0 * len(jax.devices())).reshape(-1, 2) / 100
-    >>> step = jax.jit(jaccum.data_parallel(jax.grad(loss), 2, mesh=mesh))
-    >>> bool(jnp.allclose(step(jnp.ones(2), x), jax.grad(loss)(jnp.ones(2), x)))
-    True
+def _spec_of(x: Any) -> P | None:
+  """The sharding of `x` if it is laid out over explicit mesh axes, else None."""
+  if not isinstance(x, jax.Array):
+    return None
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+    return None
+  return getattr(sharding, "spec", None)
+
+
+def _without(spec: P, axes: tuple[str, ...]) -> P:
+  """`spec` with `axes` removed: the layout of a leaf gathered over `axes`."""
+  kept = [tuple(a for a in spec_axes(e) if a not in axes) or None for e in spec]
+  return P(*(e[0] if e and len(e) == 1 else e for e in kept))
+
+
+def _sharded_dim(spec: P, axes: tuple[str, ...]) -> int | None:
+  """The dimension an FSDP spec shards over `axes`, if any."""
+  for dim, entry in enumerate(spec):
+    names = spec_axes(entry)
+    if names == axes:
+      return dim
+    if set(names) & set(axes):
+      raise ValueError(
+        f"param_specs entry {spec} shards dimension {dim} over {names}; FSDP "
+        f"shards a dimension over exactly the data axes {axes}."
+      )
+  return None
+
+
+def explicit_batch_axes(
+  args: Sequence[Any], at: Positions
+) -> tuple[Any, tuple[str, ...]] | None:
+  """`(mesh, axes)` when a batch leaf is sharded on axis 0 over explicit mesh axes.
+
+  Batch leaves that are replicated go along (they are resharded to the same
+  axes); leaves sharded on axis 0 over different axes are an error.
   """
-  if "axis_name" in accumulate_kwargs:
-    raise TypeError("data_parallel takes `axis`, not `axis_name`.")
-  config = _accumulate.make_config(
-    grad_fn, num_microbatches, axis_name=axis, **accumulate_kwargs
-  )
+  found: dict[tuple[str, ...], str] = {}
+  mesh = None
+  for i in at.batch:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+      spec = _spec_of(leaf)
+      if spec and spec[0] is not None:
+        found.setdefault(spec_axes(spec[0]), f"args[{i}]{jax.tree_util.keystr(path)}")
+        mesh = jax.typeof(leaf).sharding.mesh
+  if len(found) > 1:
+    raise ValueError(
+      "batch leaves must be sharded on axis 0 over the same mesh axes, got "
+      + ", ".join(f"{where} over {axes}" for axes, where in found.items())
+      + "."
+    )
+  return (mesh, next(iter(found))) if found else None
 
-  def parallel(*args, **kwargs):
-    return run_sharded(config, args, kwargs, mesh=mesh, param_specs=param_specs)
 
-  return parallel
-
-
-def _find_mesh(args: tuple[Any, ...], at: _accumulate.Positions):
+def _find_mesh(args: Sequence[Any], at: Positions) -> Any:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty:
     return mesh
@@ -99,158 +121,364 @@ def _find_mesh(args: tuple[Any, ...], at: _accumulate.Positions):
   )
 
 
-def _sharded_dim(spec: P, axes: tuple[str, ...]) -> int | None:
-  """The dimension a `PartitionSpec` shards over `axes`, if any."""
-  for dim, entry in enumerate(spec):
-    names = _collective.spec_axes(entry)
-    if names == axes:
-      return dim
-    if set(names) & set(axes):
+def _place(x: jax.Array, mesh: Any, spec: P, explicit: bool) -> jax.Array:
+  sharding = jax.NamedSharding(mesh, spec)
+  if explicit:
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _fsdp_specs(
+  param_specs: Any,
+  args: Sequence[Any],
+  at: Positions,
+  axes: tuple[str, ...],
+  explicit: bool,
+) -> list[P | None] | None:
+  """Per leaf of the params (argument 0): its FSDP spec, or None; None if no FSDP."""
+  if param_specs is None and not explicit:
+    return None
+  if 0 in (*at.batch, at.rng, at.state):
+    if param_specs is None:
+      return None
+    raise ValueError(
+      "param_specs describes the params, which must be argument 0 of the call; "
+      f"argument 0 is the {'batch' if 0 in at.batch else 'key or state'}."
+    )
+  params = args[0]
+  if param_specs is None:
+    specs = [_spec_of(leaf) for leaf in jax.tree.leaves(params)]
+    specs = [
+      s if s is not None and any(set(spec_axes(e)) & set(axes) for e in s) else None
+      for s in specs
+    ]
+    return specs if any(specs) else None
+  try:
+    tree = jax.tree.broadcast(param_specs, params, is_leaf=_is_spec)
+  except ValueError as e:
+    raise ValueError(
+      f"param_specs must be a PartitionSpec or a pytree prefix of the params "
+      f"(argument 0), whose structure is {jax.tree.structure(params)}; got "
+      f"{jax.tree.structure(param_specs, is_leaf=_is_spec)}. ({e})"
+    ) from None
+  specs = jax.tree.leaves(tree, is_leaf=_is_spec)
+  for spec in specs:
+    if not _is_spec(spec):
+      raise TypeError(f"param_specs leaves must be PartitionSpecs, got {spec!r}.")
+    others = {a for e in spec for a in spec_axes(e)} - set(axes)
+    if others:
       raise ValueError(
-        f"param_specs entry {spec} shards dimension {dim} over {names}; FSDP "
-        f"shards a dimension over exactly the data axes {axes}."
+        f"param_specs entry {spec} names {sorted(others)}, which are not the data "
+        f"axes {axes}: param_specs says how params are sharded over the data axes "
+        "(FSDP). Params sharded over other mesh axes keep that sharding; leave "
+        "those axes out of param_specs."
       )
-  return None
+    _sharded_dim(spec, axes)
+  return specs
 
 
-def _grad_specs(out: Any, params: Any, params_specs: Any) -> list[Any]:
-  """Per leaf of `out`: the spec of the param it is the gradient of, else None.
+def _check_per_device_leaves(
+  local: _loop.Local, rows: int, axes: tuple[str, ...], contiguous: bool
+) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+    local.leaves, is_leaf=_reduce.is_plan
+  )[0]:
+    if leaf.mode == "last" and contiguous:
+      raise ValueError(
+        f'reduce="last" at output{jax.tree_util.keystr(path)} with split="contiguous" '
+        f"and a batch sharded over {axes}: the last contiguous micro-batch lives on "
+        f"the last devices only, so the loop that runs on every device's rows "
+        f'cannot return it. Use split="strided" (its last micro-batch spans all '
+        f"devices), or jaccum.data_parallel for each device's own last micro-batch."
+      )
+    if leaf.mode == "last" and leaf.shape[:1] != (rows,):
+      raise ValueError(
+        f'reduce="last" at output{jax.tree_util.keystr(path)} (shape {leaf.shape}) '
+        f"needs one row per example: with the batch split over {axes}, every device "
+        f"runs its own last micro-batch, and their rows are returned together. A "
+        f"value that is not per-example has no whole-batch meaning here; reduce it "
+        f'with "mean", "max" or "min".'
+      )
 
-  A gradient is any subtree of `out` with the params' structure and shapes,
-  e.g. the output of `jax.grad` or the second element of `value_and_grad`.
-  """
-  params_def = jax.tree.structure(params)
-  shapes = [jax.numpy.shape(p) for p in jax.tree.leaves(params)]
-  specs = jax.tree.leaves(params_specs, is_leaf=_is_spec)
 
-  def is_grads(node):
-    leaves, treedef = jax.tree.flatten(node)
-    return treedef == params_def and [x.shape for x in leaves] == shapes
-
-  per_leaf = []
-  for node in jax.tree.leaves(out, is_leaf=is_grads):
-    per_leaf.extend(specs if is_grads(node) else [None])
-  return per_leaf
-
-
-def run_sharded(
+def run(
   config: Config,
-  args: tuple[Any, ...],
+  at: Positions,
+  args: Sequence[Any],
   kwargs: dict[str, Any],
   *,
-  mesh: Any = None,
+  mesh: Any,
+  axes: tuple[str, ...],
   param_specs: Any = None,
+  rewrite: Callable[[Any], Any] | None = None,
+  unsharded_meaning: bool = False,
 ) -> Any:
-  """Runs `accumulate` under `shard_map` over `config.axes`, one reduction after."""
-  axes = config.axes
-  assert axes is not None
-  at = _accumulate.positions(config, args)
-  mesh = mesh if mesh is not None else _find_mesh(args, at)
+  """Every device accumulates K micro-batches of its rows; one reduction after.
+
+  With `unsharded_meaning` (plain `accumulate` on a sharded batch), outputs
+  that would differ from the unsharded call are refused.
+  """
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
     raise ValueError(f"axis={axes} names {missing}, not axes of the mesh {mesh}.")
   num_devices = math.prod(mesh.shape[a] for a in axes)
-  per_step = num_devices * config.num_microbatches
-  batch_size = _accumulate.check_batch(
-    [args[i] for i in at.batch], 1, names=[f"args[{i}]" for i in at.batch]
+  num_microbatches = config.num_microbatches
+  batch_size = _loop.check_batch(
+    [args[i] for i in at.batch],
+    num_microbatches,
+    names=[f"args[{i}]" for i in at.batch],
   )
+  per_step = num_devices * num_microbatches
   if batch_size % per_step:
+    rows = batch_size // num_devices
+    works = [k for k in range(1, rows + 1) if rows % k == 0]
     raise ValueError(
-      f"batch_size={batch_size} must be divisible by devices × num_microbatches = "
-      f"{num_devices} × {config.num_microbatches} = {per_step}."
+      f"batch_size={batch_size} must be divisible by devices × num_microbatches "
+      f"= {num_devices} × {num_microbatches} = {per_step}: every micro-batch takes "
+      f"the same number of rows on each device of {axes}."
+      + (
+        f" K dividing {rows} (rows per device) works: {works}."
+        if batch_size % num_devices == 0
+        else ""
+      )
     )
-
-  params_specs = None
-  if param_specs is not None:
-    params_specs = jax.tree.broadcast(param_specs, args[0], is_leaf=_is_spec)
-    for spec in jax.tree.leaves(params_specs, is_leaf=_is_spec):
-      _sharded_dim(spec, axes)  # raises on a spec FSDP cannot serve
-  in_specs = tuple(
-    P(axes)
-    if i in at.batch
-    else (param_specs if i == 0 and param_specs is not None else P())
-    for i in range(len(args))
-  )
   explicit = all(
-    t == jax.sharding.AxisType.Explicit
+    t == AxisType.Explicit
     for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
     if n in axes
   )
+  specs = _fsdp_specs(param_specs, args, at, axes, explicit)
+
+  # Non-batch arguments sharded over the data axes are gathered once, here,
+  # rather than inside every micro-step.
+  args = list(args)
+  if specs is not None:
+    flat, treedef = jax.tree.flatten(args[0])
+    args[0] = jax.tree.unflatten(
+      treedef,
+      [
+        x if s is None else _place(x, mesh, _without(s, axes), explicit)
+        for x, s in zip(flat, specs, strict=True)
+      ],
+    )
   if explicit:
-    # Explicit axes: shard_map takes inputs only in the layout it is told;
-    # put the batch there (a no-op when it already is).
-    batch_sharding = jax.NamedSharding(mesh, P(axes))
-    args = tuple(
-      jax.tree.map(lambda x: jax.sharding.reshard(x, batch_sharding), a)
-      if i in at.batch
-      else a
-      for i, a in enumerate(args)
-    )
+    for i, a in enumerate(args):
+      if i not in at.batch and (i != 0 or specs is None):
+        args[i] = jax.tree.map(
+          lambda x: (
+            x
+            if (s := _spec_of(x)) is None
+            else _place(x, mesh, _without(s, axes), True)
+          ),
+          a,
+        )
 
-  def gather(params):
-    return jax.tree.map(
-      lambda x, spec: (
-        x
-        if (dim := _sharded_dim(spec, axes)) is None
-        else jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-      ),
-      params,
-      params_specs,
-    )
+  def per_device_blocks(x):
+    rest = (_spec_of(x) or P())[1:] if explicit else ()
+    shape = (num_devices, x.shape[0] // num_devices, *x.shape[1:])
+    if explicit:
+      x = jax.sharding.reshard(x, jax.NamedSharding(mesh, P(axes, *rest)))
+      return jnp.reshape(
+        x, shape, out_sharding=jax.NamedSharding(mesh, P(axes, None, *rest))
+      )
+    return _place(x.reshape(shape), mesh, P(axes), False)
 
-  scatter = None
-  if params_specs is not None:
-    scatter = lambda out: [
-      None if spec is None else _sharded_dim(spec, axes)
-      for spec in _grad_specs(out, args[0], params_specs)
-    ]
+  blocks = {i: jax.tree.map(per_device_blocks, args[i]) for i in at.batch}
 
-  local_config = config._replace(scatter=scatter)
+  # The state starts the same on every device and is threaded on each; keys
+  # in it are folded with the device index, so devices draw different numbers.
+  def per_device_state(s):
+    s = jnp.asarray(s)
+    if _is_typed_key(s):
+      s = jax.vmap(lambda d: jax.random.fold_in(s, d))(jnp.arange(num_devices))
+    else:
+      s = jnp.broadcast_to(s, (num_devices, *s.shape))
+    return _place(s, mesh, P(axes), explicit)
 
-  def body(*local_args):
-    if params_specs is not None:
-      local_args = (gather(local_args[0]), *local_args[1:])
-    return _accumulate.run(local_config, local_args, kwargs)
-
-  # The output layout depends on each leaf's reduction, so trace one device's
-  # accumulation abstractly first.
-  rows = batch_size // num_devices
-  flat, treedef = jax.tree.flatten(args)
-  in_batch = [i in at.batch for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-  arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
-
-  def one_device(*abstract):
-    # Shapes without shardings: a sharded global array would make this trace
-    # reason about layouts that only exist outside shard_map.
-    local = list(flat)
-    for i, x in zip(arrays, abstract, strict=True):
-      local[i] = x
-    local_args = jax.tree.unflatten(treedef, local)
-    return _accumulate.run(config._replace(axes=None), local_args, kwargs)
-
-  local_batch = [
-    jax.ShapeDtypeStruct(
-      (rows, *flat[i].shape[1:]) if in_batch[i] else flat[i].shape,
-      flat[i].dtype,
-    )
-    for i in arrays
-  ]
-  local_out = jax.eval_shape(one_device, *local_batch)
-  out = local_out if at.state is None else local_out[0]
-  modes = jax.tree.leaves(jax.tree.broadcast(config.reduce, out))
-  specs = [P(axes) if m in ("concat", "last") else P() for m in modes]
-  if params_specs is not None:
-    grad_specs = _grad_specs(out, args[0], params_specs)
-    specs = [s if g is None else g for s, g in zip(specs, grad_specs, strict=True)]
-  out_specs = jax.tree.unflatten(jax.tree.structure(out), specs)
   if at.state is not None:
-    out_specs = (out_specs, jax.tree.map(lambda _: P(), local_out[1]))
+    blocks[at.state] = jax.tree.map(per_device_state, args[at.state])
+  keys = None
+  if at.rng is not None:
+    key = args[at.rng]
+    keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(num_devices))
+    keys = _place(keys, mesh, P(axes), explicit)
 
-  sharded = jax.shard_map(
-    body,
+  found: list[_loop.Local] = []
+
+  def per_device(blocks, key):
+    local_args = list(args)
+    for i, block in blocks.items():
+      local_args[i] = block
+    if at.rng is not None:
+      local_args[at.rng] = key
+    local = _loop.scan(config, at, local_args, kwargs, rewrite=rewrite)
+    found.append(local)
+    return local.acc, local.total, local.state
+
+  # vmap's spmd_axis_name resolves axis names in the mesh of the context.
+  with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+    acc, total, state = jax.vmap(per_device, spmd_axis_name=axes)(blocks, keys)
+  local = found[0]
+  rows = batch_size // per_step
+  _check_per_device_leaves(
+    local, rows, axes, unsharded_meaning and config.split == "contiguous"
+  )
+
+  plans = jax.tree.leaves(local.leaves, is_leaf=_reduce.is_plan)
+  grads = jax.tree.leaves(local.grad_mask)
+  scatter: list[int | None] = [None] * len(plans)
+  out_specs = [P(axes) if p.mode in ("concat", "last") else P() for p in plans]
+  if specs is not None:
+    grad_positions = [i for i, g in enumerate(grads) if g]
+    if len(grad_positions) != len(specs):
+      raise ValueError(
+        f"FSDP needs the gradients of the params (argument 0, {len(specs)} leaves) "
+        f"in grad_fn's output, found {len(grad_positions)} gradient leaves; pass "
+        "grad_leaves to mark them."
+      )
+    for i, spec in zip(grad_positions, specs, strict=True):
+      if spec is None:
+        continue
+      dim = _sharded_dim(spec, axes)
+      if dim is not None and plans[i].mode in ("mean", "sum"):
+        scatter[i], out_specs[i] = dim, spec
+
+  def reduce_body(acc, total, state):
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    acc, total, state = _collective.all_reduce(
+      local.leaves, first(acc), first(total), first(state), axes, scatter
+    )
+    result = _reduce.finalize(
+      local.leaves, acc, None if total is not None else per_step, config.split
+    )
+    # float0 zeros are not arrays shard_map can return; put back after it.
+    result = jax.tree.map(
+      lambda p, r: None if p.mode == "float0" else r,
+      local.leaves,
+      result,
+      is_leaf=_reduce.is_plan,
+    )
+    return result, state
+
+  result_specs = jax.tree.unflatten(
+    jax.tree.structure(local.leaves, is_leaf=_reduce.is_plan), out_specs
+  )
+  reduced = jax.shard_map(
+    reduce_body,
     mesh=mesh,
-    in_specs=in_specs,
-    out_specs=out_specs,
+    in_specs=(P(axes), P(axes), P(axes)),
+    out_specs=(result_specs, P()),
     axis_names=set(axes),
   )
-  return sharded(*args)
+  result, state = reduced(acc, total, state)
+  if at.state is not None:
+    # A key the loop left as it was (an nnx.Rngs key: only its count moves)
+    # comes back as it was passed, not folded with device 0's index.
+    state = jax.tree.map(_restore_key, args[at.state], state)
+  result = jax.tree.map(
+    lambda p, r: np.zeros(p.shape, jax.dtypes.float0) if p.mode == "float0" else r,
+    local.leaves,
+    result,
+    is_leaf=_reduce.is_plan,
+  )
+  return result if at.state is None else (result, state)
+
+
+def data_parallel(
+  grad_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  axis: str | tuple[str, ...] = "data",
+  param_specs: Any = None,
+  **accumulate_kwargs: Any,
+) -> Callable[..., Any]:
+  """Accumulates over K micro-batches on every device, then reduces once.
+
+  Call the returned function under `jit` with global arrays whose batch is
+  sharded over `axis` (or will be: it is laid out per device here). Each
+  device runs K micro-batches of its own rows, as `accumulate` does: the
+  effective batch is devices × K × micro-batch, nothing communicates inside
+  the loop, and one all-reduce combines the devices after it. This holds for
+  meshes with auto and explicit axis types and for multi-axis meshes (only
+  `axis` is split over; other axes, e.g. `"model"`, keep their sharding).
+  `grad_fn` may reach its params any way (argument, keyword, closure,
+  `functools.partial`): it runs on each device's rows exactly as it would on
+  one device, under `vmap` over the devices rather than inside `shard_map`.
+
+  With `param_specs` (FSDP / ZeRO style), the first argument (the params)
+  arrives sharded as those specs say: each sharded leaf is all-gathered once
+  before the loop, the accumulator stays local, and the gradients of those
+  leaves leave through one reduce-scatter, sharded like the params. On an
+  explicit mesh the params' own sharding says this without `param_specs`.
+
+  Cross-example computations (BatchNorm statistics threaded with
+  `state_argnum`) see each device's rows, as in any data-parallel step;
+  threaded floating state is averaged over devices at the end, other state
+  (counters, keys) takes device 0's value. Keys differ per device and per
+  micro-batch.
+
+  Args:
+    grad_fn: as for `accumulate`.
+    num_microbatches: micro-batches per device, K.
+    mesh: the device mesh; defaults to the mesh set with `jax.set_mesh`, else
+      the mesh of the batch's sharding.
+    axis: the mesh axis (or axes) the batch is split over.
+    param_specs: `PartitionSpec`s for the first argument (a pytree prefix of
+      it), naming only `axis`, for FSDP; `None` replicates it (or, on an
+      explicit mesh, reads its sharding).
+    **accumulate_kwargs: any other option of `accumulate` (`batch_argnums`,
+      `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …).
+
+  Returns:
+    A function with `grad_fn`'s signature. `"mean"`, `"sum"`, `"max"` and
+    `"min"` leaves come back replicated, gradients of FSDP-sharded params
+    sharded like them, `"concat"` and `"last"` leaves (one row per example)
+    sharded over `axis`, in the batch's row order.
+
+  Raises:
+    TypeError, ValueError: as `accumulate` does, and if `axis` is not a mesh
+      axis, the batch does not split into devices × K micro-batches, or
+      `param_specs` does not fit the params.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> x = jnp.arange(32.0 * len(jax.devices())).reshape(-1, 2) / 100
+    >>> step = jax.jit(jaccum.data_parallel(jax.grad(loss), 2, mesh=mesh))
+    >>> bool(jnp.allclose(step(jnp.ones(2), x), jax.grad(loss)(jnp.ones(2), x)))
+    True
+  """
+  if "axis_name" in accumulate_kwargs:
+    raise TypeError("data_parallel takes `axis`, not `axis_name`.")
+  config = _config.make_config(grad_fn, num_microbatches, **accumulate_kwargs)
+  axes = _config.axis_tuple(axis, "axis")
+
+  def parallel(*args, **kwargs):
+    at = _config.positions(config, args, kwargs)
+    the_mesh = mesh if mesh is not None else _find_mesh(args, at)
+    return run(
+      config,
+      at,
+      args,
+      kwargs,
+      mesh=the_mesh,
+      axes=axes,
+      param_specs=param_specs,
+      rewrite=_loop.default_rewrite(),
+    )
+
+  return parallel
+
+
+def warn_per_device_state(axes: tuple[str, ...]) -> None:
+  warnings.warn(
+    f"accumulate: the batch is sharded over the explicit mesh axes {axes}, so each "
+    f"device threads state_argnum's state through its own rows (per-device "
+    f"statistics, as jaccum.data_parallel and pmap training do), and floating "
+    f"state is averaged over devices at the end. On one device each "
+    f"micro-batch's statistics would span all of its rows. Call "
+    f"jaccum.data_parallel to say you mean per-device statistics.",
+    stacklevel=3,
+  )

@@ -10,8 +10,8 @@ import numpy as np
 
 from jaccum._microbatch import Split, merge_microbatches
 
-Reduction = Literal["mean", "sum", "concat", "last", "max"]
-REDUCTIONS = ("mean", "sum", "concat", "last", "max")
+Reduction = Literal["mean", "sum", "concat", "last", "max", "min"]
+REDUCTIONS = ("mean", "sum", "concat", "last", "max", "min")
 
 
 def check_accum_dtype(accum_dtype: Any, name: str) -> np.dtype | None:
@@ -60,11 +60,16 @@ def check_reduce_spec(reduce: Any) -> None:
 
 
 class Leaf(NamedTuple):
-  """How one output leaf is reduced: its mode, its own dtype, its carry dtype."""
+  """How one output leaf is reduced: its mode, its own dtype, its carry dtype.
+
+  A `float0` leaf (the gradient of an integer input) has mode `"float0"`: it
+  carries nothing and comes back as the zeros the whole batch gives.
+  """
 
   mode: str
   dtype: np.dtype
   carry_dtype: np.dtype
+  shape: tuple[int, ...]
 
 
 def plan(
@@ -78,7 +83,7 @@ def plan(
 
   Args:
     reduce: a reduction string or a pytree prefix of `out_shape` of them.
-    out_shape: `jax.eval_shape` of one micro-step's output.
+    out_shape: the shapes and dtypes of one micro-step's output.
     accum_dtype: floating leaves narrower than this accumulate in it.
     microbatch_size: rows per micro-batch, the leading size `"concat"` needs
       to put rows back in order.
@@ -96,11 +101,13 @@ def plan(
   def leaf_plan(path, mode, shape):
     where = "output" + jax.tree_util.keystr(path)
     dtype = np.dtype(shape.dtype)
+    if dtype == jax.dtypes.float0:
+      return Leaf("float0", dtype, dtype, shape.shape)
     floating = jnp.issubdtype(dtype, jnp.inexact)
     if mode == "mean" and not floating:
       raise TypeError(
         f'reduce="mean" needs a floating leaf, but {where} has dtype {dtype}; '
-        'give it "sum", "max", "last" or "concat" in a reduce tree.'
+        'give it "sum", "max", "min", "last" or "concat" in a reduce tree.'
       )
     if mode == "sum" and dtype == np.bool_:
       raise TypeError(f'reduce="sum" cannot add booleans at {where}; cast it first.')
@@ -124,11 +131,9 @@ def plan(
       and dtype.itemsize < accum_dtype.itemsize
     ):
       carry_dtype = accum_dtype
-    return Leaf(mode, dtype, carry_dtype)
+    return Leaf(mode, dtype, carry_dtype, shape.shape)
 
-  return jax.tree.map_with_path(
-    lambda path, mode, shape: leaf_plan(path, mode, shape), modes, out_shape
-  )
+  return jax.tree.map_with_path(leaf_plan, modes, out_shape)
 
 
 def is_plan(x: Any) -> bool:
@@ -138,74 +143,109 @@ def is_plan(x: Any) -> bool:
 def _full(
   shape: jax.ShapeDtypeStruct, value: Any, dtype: Any, lead: tuple[int, ...] = ()
 ):
-  """A carry leaf like `shape`, keeping an explicit sharding (e.g. over "model")."""
+  """A carry leaf like `shape`, keeping an explicit sharding (e.g. over "model").
+
+  Under a mesh it is typed as replicated on that mesh rather than left
+  without one: `vmap` with `spmd_axis_name` must be able to add the device
+  axis to a carry that starts the same on every device.
+  """
   sharding = getattr(shape, "sharding", None)
   if isinstance(sharding, jax.NamedSharding) and any(sharding.spec):
     sharding = sharding.update(spec=jax.P(*(None for _ in lead), *sharding.spec))
+  elif not jax.sharding.get_abstract_mesh().empty:
+    sharding = jax.P(*(None for _ in (*lead, *shape.shape)))
   else:
     sharding = None
   return jnp.full((*lead, *shape.shape), value, dtype, out_sharding=sharding)
 
 
+def _extreme(dtype: np.dtype, highest: bool) -> Any:
+  """The identity of max (the lowest value) or of min (the highest)."""
+  if dtype == np.bool_:
+    return highest
+  if jnp.issubdtype(dtype, jnp.integer):
+    info = jnp.iinfo(dtype)
+    return info.max if highest else info.min
+  return jnp.inf if highest else -jnp.inf
+
+
 def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
-  """The carry before the first micro-batch."""
+  """The carry before the first micro-batch (None for `float0` leaves)."""
 
   def init_leaf(leaf: Leaf, shape):
+    if leaf.mode == "float0":
+      return None
     if leaf.mode == "concat":
       return _full(shape, 0, leaf.dtype, lead=(num_microbatches,))
-    if leaf.mode == "max":
-      lowest = -jnp.inf if jnp.issubdtype(leaf.dtype, jnp.inexact) else False
-      if jnp.issubdtype(leaf.dtype, jnp.integer):
-        lowest = jnp.iinfo(leaf.dtype).min
-      return _full(shape, lowest, leaf.dtype)
+    if leaf.mode in ("max", "min"):
+      return _full(shape, _extreme(leaf.dtype, leaf.mode == "min"), leaf.dtype)
     return _full(shape, 0, leaf.carry_dtype)
 
   return jax.tree.map(init_leaf, leaves, out_shape, is_leaf=is_plan)
 
 
 def update(
-  leaves: Any, carry: Any, out: Any, weight: jax.Array | None, index: jax.Array
+  leaves: Any,
+  carry: Any,
+  out: Any,
+  index: jax.Array,
+  weight: jax.Array | None = None,
+  total: jax.Array | None = None,
 ) -> Any:
-  """Folds micro-batch `index`'s output (with its weight, if any) into the carry."""
+  """Folds micro-batch `index`'s output into the carry.
+
+  Unweighted `"mean"` and `"sum"` leaves add up. Weighted `"mean"` leaves keep
+  the running mean `acc + (w / total) (out - acc)`, with `total` the float32
+  weight so far including `w`: weights of any size (token counts) never enter
+  a narrow dtype, so a float16 carry cannot overflow.
+  """
 
   def update_leaf(leaf: Leaf, acc, value):
+    if leaf.mode == "float0":
+      return acc
+    value = jnp.asarray(value)  # a Python scalar output comes back as a literal
     if leaf.mode == "concat":
       return jax.lax.dynamic_update_index_in_dim(acc, value, index, axis=0)
     if leaf.mode == "max":
       return jnp.maximum(acc, value)
+    if leaf.mode == "min":
+      return jnp.minimum(acc, value)
     if leaf.mode == "last":
       return value
-    value = value.astype(leaf.carry_dtype)
     if leaf.mode == "mean" and weight is not None:
+      assert total is not None
+      compute = jnp.promote_types(leaf.carry_dtype, jnp.float32)
+      acc_c, value_c = acc.astype(compute), value.astype(compute)
+      share = (weight / jnp.where(total != 0, total, 1)).astype(compute)
       # `where`, not a product: an all-padding micro-batch may hold NaN (0/0),
       # and weight 0 must mean "contributes nothing".
-      value = jnp.where(weight != 0, weight.astype(leaf.carry_dtype) * value, 0)
-    return acc + value
+      new = jnp.where(weight != 0, acc_c + share * (value_c - acc_c), acc_c)
+      return new.astype(leaf.carry_dtype)
+    return acc + value.astype(leaf.carry_dtype)
 
   return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=is_plan)
 
 
-def finalize(
-  leaves: Any, carry: Any, total_weight: jax.Array | int, split: Split
-) -> Any:
+def finalize(leaves: Any, carry: Any, num_terms: int | None, split: Split) -> Any:
   """Turns the carry into the reduced output, in each leaf's own dtype.
 
   Args:
     leaves: the plan from `plan`.
-    carry: the carry after the last micro-batch.
-    total_weight: the sum of the weights of the `"mean"` leaves (K when
-      unweighted). A total of zero gives zeros, never NaN.
+    carry: the carry after the last micro-batch (and after the devices are
+      combined).
+    num_terms: the number of outputs summed into each unweighted `"mean"`
+      leaf (K, times the devices once combined); None when weighted, where
+      the carry already holds the weighted mean (zeros for a total of 0).
     split: the micro-batch order, to put `"concat"` rows back in place.
   """
 
-  def finalize_leaf(leaf: Leaf, acc: jax.Array) -> jax.Array:
+  def finalize_leaf(leaf: Leaf, acc: Any) -> Any:
+    if leaf.mode == "float0":
+      return np.zeros(leaf.shape, jax.dtypes.float0)
     if leaf.mode == "concat":
       return merge_microbatches(acc, split)
-    if leaf.mode == "mean" and isinstance(total_weight, int):
-      acc = acc / total_weight
-    elif leaf.mode == "mean":
-      total = jnp.astype(total_weight, leaf.carry_dtype)
-      acc = jnp.where(total != 0, acc / jnp.where(total != 0, total, 1), 0)
+    if leaf.mode == "mean" and num_terms is not None:
+      acc = acc / num_terms
     return jnp.astype(acc, leaf.dtype)
 
   return jax.tree.map(finalize_leaf, leaves, carry, is_leaf=is_plan)

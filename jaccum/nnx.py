@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,28 @@ def _split_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
   return loss, aux
 
 
+def _warn_per_example_aux(aux: Any, modes: Any, rows: int) -> None:
+  """Warns once per leaf for aux outputs that look per-example but are averaged."""
+  for (path, leaf), mode in zip(
+    jax.tree_util.tree_flatten_with_path(aux)[0], jax.tree.leaves(modes), strict=True
+  ):
+    if mode == "mean" and rows > 1 and jnp.shape(leaf)[:1] == (rows,):
+      warnings.warn(
+        f"aux{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, one row per "
+        f"example of the micro-batch of {rows}, and is averaged over micro-batches "
+        f'(reduce="mean"), which mixes different examples\' rows. To keep one row '
+        f'per example in the batch\'s order, give it "concat": e.g. '
+        f'reduce=(("mean", "concat"), "mean") for value_and_grad(has_aux=True) '
+        f"returning (loss, logits).",
+        stacklevel=6,
+      )
+
+
+# The params reach each micro-step as this keyword argument: whole, device-varying
+# under shard_map, never threaded (so never averaged over devices).
+_PARAMS = "_jaccum_nnx_params"
+
+
 def _transform(
   loss_fn: Callable[..., Any],
   num_microbatches: int,
@@ -48,11 +71,13 @@ def _transform(
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
   options = dict(accumulate_kwargs)
-  if "state_argnum" in options:
-    raise TypeError(
-      "state_argnum is not an option of jaccum.nnx: the model's non-parameter "
-      "state (BatchNorm statistics, nnx.Rngs counts) is threaded already."
-    )
+  for name in ("state_argnum", "grad_leaves"):
+    if name in options:
+      raise TypeError(
+        f"{name} is not an option of jaccum.nnx: the model's non-parameter state "
+        "(BatchNorm statistics, nnx.Rngs counts) is threaded and its gradients "
+        "are located already."
+      )
   for name in ("batch_argnums", "rng_argnum"):
     nums = options.get(name)
     if nums == 0 or (isinstance(nums, Sequence) and 0 in nums):
@@ -60,8 +85,15 @@ def _transform(
   if (weight_fn := options.get("weight_fn")) is not None:
     if not callable(weight_fn):
       raise TypeError(f"weight_fn must be callable or None, got {weight_fn!r}.")
-    # The user's weight_fn sees the micro-batch, not the model's state.
-    options["weight_fn"] = lambda rest, *args: weight_fn(*args)
+    # The user's weight_fn sees the micro-batch: not the model, not graph nodes.
+    options["weight_fn"] = lambda state, *args: weight_fn(
+      *(a for a in args if a is not None)
+    )
+  # The gradients' place in nnx's output structure, for FSDP and the stats.
+  if return_value:
+    grad_leaves = ((False, False), True) if has_aux else (False, True)
+  else:
+    grad_leaves = (True, False) if has_aux else True
   # Check num_microbatches and the options now rather than at the first call.
   accumulate(loss_fn, num_microbatches, state_argnum=0, **options)
 
@@ -71,55 +103,102 @@ def _transform(
         "the first argument must be the nnx.Module to differentiate, "
         f"loss_fn(model, *batch), got {type(model).__name__}."
       )
-    for i, arg in enumerate(args, start=1):
-      if nnx.graph.is_graph_node(arg):
-        raise TypeError(
-          f"argument {i} is an {type(arg).__name__}; jaccum.nnx threads the state "
-          "of the model only. Keep nnx.Rngs in the model (e.g. "
-          "nnx.Dropout(rate, rngs=rngs)) or pass a key with rng_argnum."
-        )
     if not args:
       raise ValueError("called with the model only; pass the batch after it.")
-    graphdef, params, rest = nnx.split(model, wrt, ...)
-    if not jax.tree.leaves(params):
+    # Graph nodes among the arguments (nnx.Rngs, other modules) are threaded
+    # like the model's own state; their slots carry None through the loop.
+    node_at = [i for i, a in enumerate(args, start=1) if nnx.graph.is_graph_node(a)]
+    node_kw = [k for k, v in kwargs.items() if nnx.graph.is_graph_node(v)]
+    nodes = ([args[i - 1] for i in node_at], {k: kwargs[k] for k in node_kw})
+    graphdef, params, other, rest = nnx.split(model, nnx.All(wrt, nnx.Param), wrt, ...)
+    if not jax.tree.leaves((params, other)):
       raise ValueError(f"the model holds no variables matching wrt={wrt!r}.")
+    nodes_def, nodes_state = nnx.split(nodes)
+    call_args = [None if i in node_at else a for i, a in enumerate(args, start=1)]
+    call_kwargs = {k: v for k, v in kwargs.items() if k not in node_kw}
 
-    # The model's state sits where the model was, so argument numbers (and
-    # jaccum's error messages) count as in the user's call; params are closed
-    # over, passed whole to every micro-batch.
-    def step(rest, *args, **kwargs):
-      def loss_of_params(params):
+    rng_argnum = options.get("rng_argnum")
+    key_at = None if rng_argnum is None else rng_argnum % (len(args) + 1)
+    batch = tuple(
+      i for i in range(1, len(args) + 1) if i != key_at and i not in node_at
+    )
+    batch = options.get("batch_argnums", batch)
+    for i in (batch,) if isinstance(batch, int) else batch:
+      slot = i % (len(args) + 1) if -len(args) - 1 <= i <= len(args) else None
+      if slot == 0 or slot in node_at:
+        what = "the model's" if slot == 0 else f"the {type(args[slot - 1]).__name__}'s"
+        raise ValueError(
+          f"batch_argnums={batch!r} resolves to position {slot}, {what}, in the "
+          f"call f(model, *args) with {len(args)} arguments after the model; "
+          "count the batch's positions from the model at 0."
+        )
+
+    # The state sits at 0, where the model was, so argument numbers (and
+    # jaccum's error messages) count as in the user's call.
+    def step(state, *args, **kwargs):
+      params = kwargs.pop(_PARAMS)
+      other, rest, nodes_state = state
+
+      def loss_of(params, other):
         # Fresh variables (copy=True) belong to this trace, so BatchNorm and
         # nnx.Rngs may update them.
-        module = nnx.merge(graphdef, params, rest, copy=True)
-        loss, aux = _split_loss(loss_fn(module, *args, **kwargs), has_aux)
-        _, _, new_rest = nnx.split(module, wrt, ...)
-        if jax.tree.structure(new_rest) != jax.tree.structure(rest):
+        module = nnx.merge(graphdef, params, other, rest, copy=True)
+        node_args, node_kwargs = nnx.merge(nodes_def, nodes_state, copy=True)
+        it = iter(node_args)
+        full_args = [
+          next(it) if a is None and i in node_at else a
+          for i, a in enumerate(args, start=1)
+        ]
+        out = loss_fn(module, *full_args, **kwargs, **node_kwargs)
+        loss, aux = _split_loss(out, has_aux)
+        _, _, new_other, new_rest = nnx.split(module, nnx.All(wrt, nnx.Param), wrt, ...)
+        _, new_nodes = nnx.split((node_args, node_kwargs))
+        new_state = (new_other, new_rest, new_nodes)
+        if jax.tree.structure(new_state) != jax.tree.structure(state):
           raise TypeError(
             "loss_fn must not add or remove model variables (e.g. with sow): "
             "their state is carried from micro-batch to micro-batch; before "
-            f"{jax.tree.structure(rest)}, after {jax.tree.structure(new_rest)}."
+            f"{jax.tree.structure(state)}, after {jax.tree.structure(new_state)}."
           )
-        return loss, (aux, new_rest)
+        return loss, (aux, new_state)
 
-      grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
-      (loss, (aux, new_rest)), grads = grad_fn(params)
+      grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
+      (loss, (aux, new_state)), (param_grads, other_grads) = grad_fn(params, other)
+      grads = nnx.merge_state(param_grads, other_grads)
       # nnx's output structure, so a `reduce` tree reads the same.
       if return_value:
         out = ((loss, aux), grads) if has_aux else (loss, grads)
       else:
         out = (grads, aux) if has_aux else grads
-      return out, new_rest
+      if has_aux:
+        rows = next(
+          (jnp.shape(x)[0] for i in batch_slots for x in jax.tree.leaves(args[i - 1])),
+          0,
+        )
+        try:
+          modes = jax.tree.broadcast(options.get("reduce", "mean"), out)
+        except ValueError:
+          pass  # accumulate names the bad reduce tree
+        else:
+          aux_modes = modes[0][1] if return_value else modes[1]
+          _warn_per_example_aux(aux, aux_modes, rows)
+      return out, new_state
 
-    # By default every positional argument after the model but the key is a batch.
-    rng_argnum = options.get("rng_argnum")
-    key_at = None if rng_argnum is None else rng_argnum % (len(args) + 1)
-    batch = tuple(i for i in range(1, len(args) + 1) if i != key_at)
+    batch_slots = [
+      i % (len(args) + 1) for i in ((batch,) if isinstance(batch, int) else batch)
+    ]
     run = accumulate(
-      step, num_microbatches, **{"batch_argnums": batch, **options}, state_argnum=0
+      step,
+      num_microbatches,
+      **{**options, "batch_argnums": batch},
+      state_argnum=0,
+      grad_leaves=grad_leaves,
     )
-    out, new_rest = run(rest, *args, **kwargs)
-    nnx.update(model, new_rest)
+    out, (new_other, new_rest, new_nodes) = run(
+      (other, rest, nodes_state), *call_args, **call_kwargs, **{_PARAMS: params}
+    )
+    nnx.update(model, new_other, new_rest)
+    nnx.update(nodes, new_nodes)
     return out
 
   return accumulated
@@ -140,12 +219,22 @@ def value_and_grad(
   `nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, *batch)` returns:
   `(loss, grads)` or `((loss, aux), grads)`, with `grads` an `nnx.State` of
   the `wrt` variables that `nnx.Optimizer.update(model, grads)` takes. The
-  rest of the model's state is threaded through the micro-batches in order
-  and written back into the model: BatchNorm statistics end as after K
-  sequential forward passes, and `nnx.Rngs` counts advance, so each
-  micro-batch draws fresh dropout masks. `loss_fn` must not add variables
-  (`sow`), and `nnx.Rngs` belong in the model, not in the arguments. Works
-  with or without `nnx.jit`.
+  rest of the model's state, and the state of any graph node passed as an
+  argument (an `nnx.Rngs`, positional or keyword, as Flax's MNIST tutorial
+  does), is threaded through the micro-batches in order and written back:
+  BatchNorm statistics end as after K sequential forward passes, and
+  `nnx.Rngs` counts advance, so each micro-batch draws fresh dropout masks.
+  `wrt` variables that the model updates itself (`nnx.BatchStat` in `wrt`)
+  are both differentiated and threaded, as `nnx.grad` does. `loss_fn` must
+  not add variables (`sow`). Works with or without `nnx.jit`, and on a batch
+  sharded over an explicit mesh (see `jaccum.accumulate`); the params reach
+  every micro-step as an argument, so inside `shard_map` with `axis_name`
+  their gradients are not summed per micro-batch.
+
+  An `aux` leaf that holds one row per example is averaged over micro-batches
+  by default, which is rarely what is wanted: a warning names it. Keep its
+  rows with a `reduce` tree, e.g. `reduce=(("mean", "concat"), "mean")` for
+  `((loss, logits), grads)`.
 
   Args:
     loss_fn: `loss_fn(model, *batch, **kwargs) -> loss` (or `(loss, aux)`),

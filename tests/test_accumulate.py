@@ -140,7 +140,10 @@ def test_reduce_tree_mixes_modes(split, maybe_jit):
   )
   np.testing.assert_allclose(got["per_example"], whole["per_example"], rtol=1e-6)
   np.testing.assert_allclose(got["mean"], whole["mean"], rtol=1e-6)
-  assert got["max"] == whole["max"]
+  # The largest of the micro-batch maxima is the largest row, exactly; the
+  # whole batch's own matmul may round that row differently.
+  assert got["max"] == got["per_example"].max()
+  np.testing.assert_allclose(got["max"], whole["max"], rtol=1e-6)
   assert got["count"] == whole["count"] and got["count"].dtype == whole["count"].dtype
   np.testing.assert_array_equal(got["last"], last_rows[0])
 

@@ -362,9 +362,163 @@ def test_errors_name_the_argument():
     jaccum.nnx.grad(mse, 4, batch_argnums=(0, 1))
   with pytest.raises(TypeError, match=r"state_argnum is not an option"):
     jaccum.nnx.grad(mse, 4, state_argnum=1)
-  with pytest.raises(TypeError, match=r"argument 2 is an Rngs"):
-    jaccum.nnx.grad(lambda m, x, rngs: mse(m, x, 0.0), 4)(model, x, nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"no variables matching wrt="):
     jaccum.nnx.grad(mse, 4, wrt=nnx.BatchStat)(model, x, y)
   with pytest.raises(ValueError, match=r"model only"):
     jaccum.nnx.grad(lambda m: jnp.sum(m.out.bias[...]), 4)(model)
+
+
+# Paths users take: data parallelism, wrt with BatchStat, Flax's MNIST tutorial.
+
+DEVICES = 8
+
+
+def sharded_rows(mesh, *arrays):
+  sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
+  return [jax.device_put(a, sharding) for a in arrays]
+
+
+def test_data_parallel_gradients_are_exact_on_an_explicit_mesh_and_in_shard_map():
+  """The params reach every micro-step as an argument: no ×devices gradients."""
+  x, y = regression_batch(batch_size=64)
+  model = MLP(nnx.Rngs(0))
+  _, whole = jit_value_and_grad(mse)(model, x, y)
+  explicit = jax.make_mesh((DEVICES,), ("data",))
+  step = nnx.jit(jaccum.nnx.value_and_grad(mse, 2))
+  _, grads = step(model, *sharded_rows(explicit, x, y))
+  assert_tree_close(grads, whole, rtol=1e-5, atol=1e-7)
+
+  auto = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  graphdef, state = nnx.split(model)
+
+  def body(state, x, y):
+    local = nnx.merge(graphdef, state)
+    _, grads = jaccum.nnx.value_and_grad(mse, 2, axis_name="data")(local, x, y)
+    return grads
+
+  grads = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=auto,
+      in_specs=(jax.P(), jax.P("data"), jax.P("data")),
+      out_specs=jax.P(),
+    )
+  )(state, x, y)
+  assert_tree_close(grads, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_wrt_with_batch_stats_differentiates_and_updates_them_like_nnx_grad():
+  x, y = regression_batch(batch_size=16)
+  x = x[:, :3]
+  wrt = nnx.Any(nnx.Param, nnx.BatchStat)
+  model, reference = BatchNormNet(nnx.Rngs(0)), BatchNormNet(nnx.Rngs(0))
+  grads = jaccum.nnx.grad(bn_loss, 1, wrt=wrt)(model, x, y[:, 0])
+  whole = nnx.grad(bn_loss, argnums=nnx.DiffState(0, wrt))(reference, x, y[:, 0])
+  assert_tree_close(grads, whole, rtol=1e-5, atol=1e-7)
+  assert "mean" in grads["norm"]
+  # The statistics moved, as nnx.grad moved them.
+  assert not np.allclose(model.norm.mean[...], 0.0)
+  assert_tree_close(
+    nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), rtol=1e-6
+  )
+
+
+class TutorialCNN(nnx.Module):
+  """The CNN of Flax's NNX MNIST tutorial, with the dropout it adds, on 8×8 digits."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+    self.linear1 = nnx.Linear(16 * 2 * 2, 32, rngs=rngs)
+    self.dropout = nnx.Dropout(0.3)
+    self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    pool = lambda x: nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+    x = pool(nnx.relu(self.conv1(x)))
+    x = pool(nnx.relu(self.conv2(x)))
+    x = x.reshape(x.shape[0], -1)
+    x = self.dropout(nnx.relu(self.linear1(x)), rngs=rngs)
+    return self.linear2(x)
+
+
+def tutorial_loss(model, batch, rngs):
+  logits = model(batch["image"], rngs=rngs)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+  return loss, logits
+
+
+@pytest.mark.parametrize("rngs_as", ["positional", "keyword"])
+def test_the_nnx_mnist_tutorial_train_step_runs_with_rngs_as_an_argument(rngs_as):
+  digits = np.random.default_rng(0)
+  batch = {
+    "image": jnp.asarray(digits.random((32, 8, 8, 1)), jnp.float32),
+    "label": jnp.asarray(digits.integers(0, 10, 32)),
+  }
+  model = TutorialCNN(rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(0.005, 0.9), wrt=nnx.Param)
+  metrics = nnx.MultiMetric(
+    accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+  )
+  grad_fn = jaccum.nnx.value_and_grad(
+    tutorial_loss, 4, has_aux=True, reduce=(("mean", "concat"), "mean")
+  )
+
+  @nnx.jit
+  def train_step(model, optimizer, metrics, batch, rngs):
+    if rngs_as == "positional":
+      (loss, logits), grads = grad_fn(model, batch, rngs)
+    else:
+      (loss, logits), grads = grad_fn(model, batch, rngs=rngs)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+    return logits
+
+  rngs = nnx.Rngs(dropout=1)
+  logits = train_step(model, optimizer, metrics, batch, rngs)
+  assert logits.shape == (32, 10)
+  # Four micro-batches drew four dropout masks: the stream advanced four times.
+  assert int(rngs.dropout.count[...]) == 4
+  # With dropout off, the step's gradient is the whole batch's.
+  model.eval()
+  (_, logits), grads = grad_fn(model, batch, nnx.Rngs(dropout=1))
+  (_, whole_logits), whole = nnx.value_and_grad(tutorial_loss, has_aux=True)(
+    model, batch, nnx.Rngs(dropout=1)
+  )
+  assert_tree_close(grads, whole, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(logits, whole_logits, rtol=1e-5, atol=1e-6)
+  assert float(metrics.compute()["loss"]) > 0
+
+
+def test_averaging_per_example_aux_warns_once_with_the_fix():
+  model = TutorialCNN(rngs=nnx.Rngs(0))
+  batch = {"image": jnp.ones((8, 8, 8, 1)), "label": jnp.zeros(8, jnp.int32)}
+  grad_fn = jaccum.nnx.value_and_grad(tutorial_loss, 2, has_aux=True)
+  with pytest.warns(UserWarning, match=r"aux has shape \(4, 10\).*\"concat\""):
+    grad_fn(model, batch, nnx.Rngs(dropout=1))
+
+
+def test_batch_argnums_may_not_point_at_the_model_or_a_graph_node():
+  model = MLP(nnx.Rngs(0))
+  x, _ = regression_batch()
+  with pytest.raises(
+    ValueError, match=r"batch_argnums=-2 resolves to position 0, the model's"
+  ):
+    jaccum.nnx.grad(lambda m, x: mse(m, x, 0.0), 4, batch_argnums=-2)(model, x)
+  with pytest.raises(ValueError, match=r"resolves to position 2, the Rngs's"):
+    jaccum.nnx.grad(lambda m, x, r: mse(m, x, 0.0), 4, batch_argnums=(1, 2))(
+      model, x, nnx.Rngs(0)
+    )
+
+
+def test_jaccum_nnx_traces_the_loss_once():
+  traces = []
+
+  def counted(model, x, y):
+    traces.append(None)
+    return mse(model, x, y)
+
+  model = MLP(nnx.Rngs(0))
+  x, y = regression_batch()
+  nnx.jit(jaccum.nnx.value_and_grad(counted, 4))(model, x, y)
+  assert len(traces) == 1

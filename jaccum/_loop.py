@@ -1,0 +1,322 @@
+"""The local loop: one micro-step traced once, then run over K micro-batches by a scan.
+
+Everything above this module decides where the loop runs (on one device,
+per device under `vmap`, or inside the user's `shard_map`); this module only
+runs it. The user's function is traced once, by `jax.make_jaxpr`, on the
+first micro-batch's shapes: that gives the output structure the carry needs,
+the closed-over arrays (the jaxpr's constants), and the program the scan body
+evaluates, rewritten on CPU so that its convolutions take XLA's fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+
+from jaccum import _collective, _reduce
+from jaccum._config import Config, Positions, call_weight_fn
+from jaccum._microbatch import check_batch, take_microbatch
+
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
+def _check_state_output(out: Any, state: Any) -> Any:
+  """Checks that a micro-step returned `(out, new_state)` matching `state`."""
+  if not isinstance(out, tuple | list) or len(out) != 2:
+    raise TypeError(
+      "with state_argnum set, grad_fn must return (out, new_state), "
+      f"got {type(out).__name__} {jax.tree.structure(out)}."
+    )
+  new_state = out[1]
+  if jax.tree.structure(new_state) != jax.tree.structure(state):
+    raise TypeError(
+      "with state_argnum set, grad_fn must return new_state with the "
+      f"structure of the state argument {jax.tree.structure(state)}, "
+      f"got {jax.tree.structure(new_state)}."
+    )
+  for (path, new), old in zip(
+    jax.tree_util.tree_flatten_with_path(new_state)[0],
+    jax.tree.leaves(state),
+    strict=True,
+  ):
+    old_type = (jnp.shape(old), jnp.result_type(old))
+    new_type = (jnp.shape(new), jnp.result_type(new))
+    if old_type != new_type:
+      raise TypeError(
+        f"new_state{jax.tree_util.keystr(path)} must keep the state's shape and "
+        f"dtype {old_type[0]} {old_type[1]}, got {new_type[0]} {new_type[1]}."
+      )
+  return out
+
+
+def params_of(config: Config, at: Positions, args: Sequence[Any]) -> Any:
+  """What the gradients are taken of, by default: the first non-batch argument."""
+  skip = {*at.batch, at.rng, at.state}
+  rest = [*config.bound_args, *(a for i, a in enumerate(args) if i not in skip)]
+  return rest[0] if rest else None
+
+
+def gradient_mask(out_shape: Any, params: Any, grad_leaves: Any, leaves: Any) -> Any:
+  """A tree of bools like `out_shape`, True on the gradient leaves.
+
+  With `grad_leaves` (a bool prefix of the output) it says so. Otherwise the
+  gradient is the first of: the whole output (`jax.grad`), its second element
+  (`value_and_grad`, with or without aux) or its first (`grad(has_aux=True)`)
+  that has the structure and shapes of `params` and is averaged or summed in
+  the plan `leaves` (a per-parameter maximum shaped like the params is
+  not a gradient); none of them, no leaf.
+  """
+  if grad_leaves is not None:
+    try:
+      return jax.tree.broadcast(grad_leaves, out_shape)
+    except ValueError as e:
+      raise ValueError(
+        f"grad_leaves={grad_leaves!r} must be a bool or a pytree prefix of "
+        f"grad_fn's output, whose structure is {jax.tree.structure(out_shape)}. "
+        f"({e})"
+      ) from None
+  modes = jax.tree.map(lambda leaf: leaf.mode, leaves, is_leaf=_reduce.is_plan)
+  mask = jax.tree.map(lambda _: False, out_shape)
+  if params is None:
+    return mask
+  params_def = jax.tree.structure(params)
+  shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+
+  def is_gradient(node, node_modes):
+    leaves, treedef = jax.tree.flatten(node)
+    return (
+      treedef == params_def
+      and [leaf.shape for leaf in leaves] == shapes
+      and all(m in ("mean", "sum") for m in jax.tree.leaves(node_modes))
+    )
+
+  if is_gradient(out_shape, modes):
+    return jax.tree.map(lambda _: True, out_shape)
+  if isinstance(out_shape, tuple | list) and len(out_shape) == 2:
+    for i in (1, 0):
+      if is_gradient(out_shape[i], modes[i]):
+        parts = [
+          jax.tree.map(lambda _, hit=j == i: hit, part)
+          for j, part in enumerate(out_shape)
+        ]
+        return type(out_shape)(parts)
+  return mask
+
+
+class Local(NamedTuple):
+  """One device's loop, before the devices are combined.
+
+  Attributes:
+    leaves: the reduction plan, a tree of `_reduce.Leaf` like the output.
+    out_shape: one micro-step's output shapes.
+    grad_mask: bools like the output, True on gradient leaves.
+    acc: the carry after the last micro-batch.
+    total: the summed weight (float32 at least), or None without `weight_fn`.
+    state: the threaded state after the last micro-batch, or None.
+  """
+
+  leaves: Any
+  out_shape: Any
+  grad_mask: Any
+  acc: Any
+  total: jax.Array | None
+  state: Any
+
+
+def _closure_sums_error(closed: Any, axes: tuple[str, ...]) -> ValueError:
+  found = [
+    f"{c.dtype}{list(c.shape)}"
+    for c in closed.consts
+    if isinstance(c, jax.Array) and jnp.issubdtype(c.dtype, jnp.inexact)
+  ]
+  return ValueError(
+    f"grad_fn differentiates arrays it reaches other than through its arguments "
+    f"(closed over: {', '.join(found)}), and they are the same on every device: "
+    f"inside shard_map JAX then sums their gradients over {axes} in every "
+    f"micro-step, and the result would count each device's share again. Pass "
+    f"these arrays to the accumulated function as arguments (positional or "
+    f"keyword), or use jaccum.data_parallel, which accepts closures."
+  )
+
+
+def scan(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  *,
+  axes: tuple[str, ...] | None = None,
+  rewrite: Callable[[Any], Any] | None = None,
+) -> Local:
+  """Runs `grad_fn` over K micro-batches of the batch arguments, on this device.
+
+  Args:
+    config: the checked options.
+    at: where the batch, key and state sit in `args`.
+    args: the positional arguments of the call.
+    kwargs: its keyword arguments (passed whole to every micro-step).
+    axes: inside `shard_map`/`pmap`, the axes the batch is split over:
+      non-batch arguments are cast to device-varying (no psum in the loop)
+      and the key is folded with the device index.
+    rewrite: applied to the traced micro-step (a ClosedJaxpr), e.g. the CPU
+      convolution layout rewrite.
+  """
+  num_microbatches, split = config.num_microbatches, config.split
+  batch_size = check_batch(
+    [args[i] for i in at.batch],
+    num_microbatches,
+    names=[f"args[{i}]" for i in at.batch],
+  )
+  args = list(args)
+  extras = (config.bound_args, {**config.bound_kwargs, **kwargs})
+  if at.state is not None:
+    args[at.state] = jax.tree.map(jnp.asarray, args[at.state])
+  if axes is not None:
+    # Device-varying params: no psum in each micro-step's backward pass.
+    args = [
+      a if i in at.batch else _collective.cast_varying(a, axes)
+      for i, a in enumerate(args)
+    ]
+    extras = _collective.cast_varying(extras, axes)
+    if at.rng is not None:
+      args[at.rng] = jax.random.fold_in(args[at.rng], jax.lax.axis_index(axes))
+
+  def micro_args(index, state):
+    step_args = list(args)
+    for i in at.batch:
+      step_args[i] = jax.tree.map(
+        lambda x: take_microbatch(x, index, num_microbatches, split), args[i]
+      )
+    if at.rng is not None:
+      step_args[at.rng] = jax.random.fold_in(args[at.rng], index)
+    if at.state is not None:
+      step_args[at.state] = state
+    return step_args
+
+  def micro_step(step_args, extras):
+    bound_args, all_kwargs = extras
+    out = config.grad_fn(*bound_args, *step_args, **all_kwargs)
+    new_state = None
+    if at.state is not None:
+      out, new_state = _check_state_output(out, step_args[at.state])
+    weight = None
+    if config.weight_fn is not None:
+      weight = call_weight_fn(config.weight_fn, step_args)
+    return out, new_state, weight
+
+  state0 = None if at.state is None else args[at.state]
+  flat, treedef = jax.tree.flatten((micro_args(0, state0), extras))
+  dynamic = [isinstance(x, ARRAY_TYPES) for x in flat]
+
+  def traced(*values):
+    it = iter(values)
+    full = [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
+    return micro_step(*jax.tree.unflatten(treedef, full))
+
+  closed, shapes = jax.make_jaxpr(traced, return_shape=True)(
+    *(x for x, d in zip(flat, dynamic, strict=True) if d)
+  )
+  out_shape, _, weight_shape = shapes
+  out_tree = jax.tree.structure(shapes)
+  if axes is not None and any(
+    _collective.varying_axes(x) for i in at.batch for x in jax.tree.leaves(args[i])
+  ):
+    invariant = [
+      c
+      for c in closed.consts
+      if isinstance(c, jax.Array)
+      and jnp.issubdtype(c.dtype, jnp.inexact)
+      and not set(axes) <= _collective.varying_axes(c)
+    ]
+    if invariant and _collective.sums_over(closed.jaxpr, axes):
+      raise _closure_sums_error(closed, axes)
+  if rewrite is not None:
+    closed = rewrite(closed)
+
+  leaves = _reduce.plan(
+    config.reduce,
+    out_shape,
+    config.accum_dtype,
+    batch_size // num_microbatches,
+    split,
+  )
+  grad_mask = gradient_mask(
+    out_shape, params_of(config, at, args), config.grad_leaves, leaves
+  )
+  total0 = None
+  if weight_shape is not None:
+    dtype = jnp.promote_types(weight_shape.dtype, jnp.float32)
+    total0 = _reduce.init(_reduce.Leaf("sum", dtype, dtype, ()), weight_shape, 1)
+
+  def body(carry, index):
+    acc, state, total = carry
+    values = jax.tree.leaves((micro_args(index, state), extras))
+    flat_out = jax.core.eval_jaxpr(
+      closed.jaxpr,
+      closed.consts,
+      *(x for x, d in zip(values, dynamic, strict=True) if d),
+    )
+    out, state, weight = jax.tree.unflatten(out_tree, flat_out)
+    if weight is not None:
+      total = total + weight.astype(total.dtype)
+    acc = _reduce.update(leaves, acc, out, index, weight, total)
+    return (acc, state, total), None
+
+  acc0 = _reduce.init(leaves, out_shape, num_microbatches)
+  carry0 = (
+    _collective.match_varying(acc0, out_shape),
+    state0,
+    None if total0 is None else _collective.match_varying(total0, weight_shape),
+  )
+  (acc, state, total), _ = jax.lax.scan(
+    body, carry0, jnp.arange(num_microbatches), unroll=config.unroll
+  )
+  return Local(leaves, out_shape, grad_mask, acc, total, state)
+
+
+def default_rewrite() -> Callable[[Any], Any] | None:
+  """The rewrite the traced micro-step gets on the default backend, if any."""
+  return None
+
+
+def check_axes_bound(axes: tuple[str, ...]) -> int:
+  """The number of devices over `axes`, or a clear error outside shard_map/pmap."""
+  try:
+    return jax.lax.axis_size(axes)
+  except NameError:
+    named = axes[0] if len(axes) == 1 else axes
+    raise ValueError(
+      f"axis_name={named!r} is not bound here: "
+      "accumulate(..., axis_name=...) runs inside jax.shard_map or jax.pmap over "
+      "that axis. Under plain jit with a sharded batch, use "
+      "jaccum.data_parallel(grad_fn, K, mesh=mesh)."
+    ) from None
+
+
+def run(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  *,
+  rewrite: Callable[[Any], Any] | None = None,
+) -> Any:
+  """The loop on this device, then (with `config.axes`) one reduction over them."""
+  num_terms = config.num_microbatches
+  if config.axes is not None:
+    num_terms *= check_axes_bound(config.axes)
+  local = scan(config, at, args, kwargs, axes=config.axes, rewrite=rewrite)
+  acc, total, state = local.acc, local.total, local.state
+  if config.axes is not None:
+    acc, total, state = _collective.all_reduce(
+      local.leaves, acc, total, state, config.axes
+    )
+  result = _reduce.finalize(
+    local.leaves, acc, None if total is not None else num_terms, config.split
+  )
+  return result if at.state is None else (result, state)
