@@ -71,7 +71,9 @@ def _format_bytes(size: int) -> str:
 
 
 def _table(stats: dict[int, MemoryStats], budget: int, chosen: int | None) -> str:
-  rows = [("K", "order", "arguments", "outputs", "temporaries", "aliased", "peak", "")]
+  rows: list[tuple[str, ...]] = [
+    ("K", "order", "arguments", "outputs", "temporaries", "aliased", "peak", "")
+  ]
   order = {k: i for i, k in enumerate(stats, start=1)}
   for k in sorted(stats):
     s, peak = stats[k], peak_bytes(stats[k])
