@@ -57,7 +57,7 @@ class MicrobatchFit(NamedTuple):
     )
 
 
-def peak_bytes(stats: MemoryStats) -> int:
+def _peak(stats: MemoryStats) -> int:
   """The peak of a compiled step from XLA's figures (see `MicrobatchFit`)."""
   total = stats.argument_bytes + stats.output_bytes + stats.temp_bytes
   return max(total - stats.alias_bytes, stats.peak_bytes or 0)
@@ -76,7 +76,7 @@ def _table(stats: dict[int, MemoryStats], budget: int, chosen: int | None) -> st
   ]
   order = {k: i for i, k in enumerate(stats, start=1)}
   for k in sorted(stats):
-    s, peak = stats[k], peak_bytes(stats[k])
+    s, peak = stats[k], _peak(stats[k])
     verdict = "chosen" if k == chosen else "fits" if peak <= budget else "over"
     sizes = (s.argument_bytes, s.output_bytes, s.temp_bytes, s.alias_bytes, peak)
     rows.append((str(k), str(order[k]), *map(_format_bytes, sizes), verdict))
@@ -217,10 +217,10 @@ def _search(
       if not callable(step):
         raise TypeError(f"make_step({k}) must return a step function, got {step!r}.")
       stats[k] = _memory(step, args)
-    return peak_bytes(stats[k])
+    return _peak(stats[k])
 
   def falling() -> bool:
-    peaks = [peak_bytes(stats[k]) for k in sorted(stats)]
+    peaks = [_peak(stats[k]) for k in sorted(stats)]
     return all(a >= b for a, b in itertools.pairwise(peaks))
 
   # While memory falls as K grows, bisect between candidates[low], over the
@@ -247,14 +247,14 @@ def _search(
   return MicrobatchFit(
     num_microbatches=chosen,
     peak_bytes=peak(chosen),
-    tried={k: peak_bytes(s) for k, s in stats.items()},
+    tried={k: _peak(s) for k, s in stats.items()},
     memory_budget=budget,
     stats=stats,
   )
 
 
 def _no_fit_message(stats: dict[int, MemoryStats], budget: int) -> str:
-  best = min(stats, key=lambda k: (peak_bytes(stats[k]), k))
+  best = min(stats, key=lambda k: (_peak(stats[k]), k))
   s = stats[best]
   # Only the temporaries shrink as K grows; arguments and outputs stay.
   if s.argument_bytes + s.output_bytes - s.alias_bytes >= s.temp_bytes:
@@ -271,7 +271,7 @@ def _no_fit_message(stats: dict[int, MemoryStats], budget: int) -> str:
     )
   return (
     f"no candidate K fits memory_budget={budget} ({_format_bytes(budget)}) per "
-    f"device; the smallest peak is {_format_bytes(peak_bytes(s))} at K={best}: "
+    f"device; the smallest peak is {_format_bytes(_peak(s))} at K={best}: "
     f"arguments {_format_bytes(s.argument_bytes)}, outputs "
     f"{_format_bytes(s.output_bytes)}, temporaries {_format_bytes(s.temp_bytes)}, "
     f"aliased {_format_bytes(s.alias_bytes)}. {advice}\n" + _table(stats, budget, None)
