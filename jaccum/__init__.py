@@ -3,6 +3,7 @@
 import importlib
 
 from jaccum._accumulate import accumulate
+from jaccum._fit import MicrobatchFit, fit_microbatches, fit_train_step
 from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
@@ -10,10 +11,13 @@ from jaccum._parallel import data_parallel
 __version__ = "0.1.0"
 
 __all__ = [
+  "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",
   "accumulate",
   "data_parallel",
+  "fit_microbatches",
+  "fit_train_step",
   "split_microbatches",
 ]
 
