@@ -253,13 +253,18 @@ def run(
   # rather than inside every micro-step.
   args = list(args)
   if specs is not None:
+    # FSDP params are laid out as their specs say (which also tells jit how
+    # to place an unplaced argument), then gathered.
+    def gather(x, spec):
+      if spec is None:
+        return x
+      return _place(
+        _place(x, mesh, spec, explicit), mesh, _without(spec, axes), explicit
+      )
+
     flat, treedef = jax.tree.flatten(args[0])
     args[0] = jax.tree.unflatten(
-      treedef,
-      [
-        x if s is None else _place(x, mesh, _without(s, axes), explicit)
-        for x, s in zip(flat, specs, strict=True)
-      ],
+      treedef, [gather(x, s) for x, s in zip(flat, specs, strict=True)]
     )
   if explicit:
     for i, a in enumerate(args):
