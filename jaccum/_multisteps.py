@@ -3,7 +3,8 @@
 A drop-in for `optax.MultiSteps` that runs the inner optimizer only on the call
 that ends a window, resets the accumulator with `where` (so a non-finite window
 cannot leak into the next), takes per-call weights (exact token means), and
-reports `has_updated` only for calls that applied an update.
+reports `has_updated` only for calls that applied an update. Like optax's, its
+state takes the params' sharding, and it is itself an optax transformation.
 """
 
 from __future__ import annotations

@@ -891,6 +891,18 @@ BAD_INPUTS = {
     TypeError,
     r"state must be the jaccum.MultiStepsState .*got optax\..*MultiStepsState",
   ),
+  "state_from_optax_names_the_conversion": (
+    lambda: update_with(state=optax.MultiSteps(SGD, 2).init(P)),
+    TypeError,
+    r"to continue an optax.MultiSteps state, pass MultiStepsState\(\*state\)",
+  ),
+  "state_acc_weight_vector": (
+    lambda: update_with(
+      state=jaccum.MultiSteps(SGD, 2).init(P)._replace(acc_weight=jnp.zeros(2))
+    ),
+    ValueError,
+    r"state.acc_weight must be a scalar \(or None .*optax\), got shape \(2,\)",
+  ),
   "state_from_another_inner_optimizer": (
     lambda: update_with(state=jaccum.MultiSteps(optax.adam(1.0), 2).init(P)),
     TypeError,
