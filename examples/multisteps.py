@@ -12,6 +12,11 @@ loses that one window and trains on; optax's accumulator is reset by
 multiplying with 0, stays NaN, and every later update is zeroed: training
 silently stops.
 
+A third run moves an optax.MultiSteps training over to jaccum half-way through
+a window, as when resuming an optax checkpoint: `jaccum.MultiStepsState(*state)`
+continues the optax state exactly, Adam's moments and the half-filled window
+included, and the params end where optax's own would.
+
 The data (1,797 8x8 images) ships with scikit-learn; nothing is downloaded.
 
   python examples/multisteps.py [--quick]
@@ -147,6 +152,8 @@ def main(quick: bool) -> None:
     f"({ms['jaccum'] / ms['optax']:.2f}x)"
   )
 
+  handover(steps, x_train, y_train)
+
   fault_epochs = 2 if quick else 6
   print(f"\nagain for {fault_epochs} epochs, one NaN micro-batch in window 3:")
   faulty = train(fault_epochs, nan_window=2, progress=False)
@@ -155,6 +162,34 @@ def main(quick: bool) -> None:
       f"  {name:6} test accuracy by epoch: "
       + " ".join(f"{a:.3f}" for a in faulty[name]["accuracy"])
     )
+
+
+def handover(steps, x_train, y_train, windows: int = 4) -> None:
+  """Trains with optax for 1.5 windows, then hands its state to jaccum; compares
+  the params with those of optax throughout."""
+  rows = np.random.default_rng(1).permutation(len(x_train))
+  rows = rows[: windows * EVERY_K * MICROBATCH].reshape(-1, MICROBATCH)
+  switch = EVERY_K + EVERY_K // 2
+  (_, optax_step, _), (jaccum_opt, jaccum_step, _) = steps["optax"], steps["jaccum"]
+  final = {}
+  for name, handover_at in (("optax throughout", None), ("handed over", switch)):
+    params = init_params(jax.random.key(0))
+    state, step = steps["optax"][0].init(params), optax_step
+    for call, micro in enumerate(rows):
+      if call == handover_at:
+        state, step = jaccum.MultiStepsState(*state), jaccum_step
+        print(f"\nhanding an optax state over to jaccum at mini-step {state.mini_step}")
+      params, state, _ = step(params, state, x_train[micro], y_train[micro])
+    final[name] = params
+  assert bool(jaccum_opt.has_updated(state))
+  difference = max(
+    float(jnp.abs(a - b).max())
+    for a, b in zip(*map(jax.tree.leaves, final.values()), strict=True)
+  )
+  print(
+    f"after {windows} windows, largest param difference from optax throughout: "
+    f"{difference:.2g}"
+  )
 
 
 if __name__ == "__main__":
