@@ -7,10 +7,12 @@ from jaccum._fit import MicrobatchFit, fit_microbatches, fit_train_step
 from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
+from jaccum._stats import AccumulationStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+  "AccumulationStats",
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",

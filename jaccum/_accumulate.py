@@ -31,6 +31,7 @@ def accumulate(
   split: Split = "strided",
   unroll: int | bool = 1,
   grad_leaves: Any = None,
+  return_stats: bool = False,
 ) -> Callable[..., Any]:
   """Runs `grad_fn` over `num_microbatches` micro-batches and combines the outputs.
 
@@ -116,9 +117,15 @@ def accumulate(
       outputs apart). By default, the part of the output shaped like the
       first non-batch argument: all of `jax.grad`'s output, the second
       element of `value_and_grad`'s, the first of `grad(has_aux=True)`'s.
+    return_stats: also return a `jaccum.AccumulationStats` with the gradient
+      noise scale (McCandlish et al. 2018) estimated from the micro-batch
+      gradients and their mean: one scalar per micro-step, no extra
+      gradient-sized buffer. Batch sizes count examples, or with `weight_fn`
+      its weight units. Needs two batch sizes: K >= 2, or several devices.
 
   Returns:
-    A function with `grad_fn`'s signature, usable with or without `jit`.
+    A function with `grad_fn`'s signature, usable with or without `jit`;
+    with `return_stats`, it returns `(result, stats)`.
     Put it inside your jitted train step: called eagerly, it traces and
     compiles its loop again on every call.
 
@@ -150,6 +157,7 @@ def accumulate(
     split=split,
     unroll=unroll,
     grad_leaves=grad_leaves,
+    return_stats=return_stats,
   )
 
   # `updated=()`: the wrapper takes grad_fn's name and docstring, not its

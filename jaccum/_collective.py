@@ -90,7 +90,8 @@ def all_reduce(
   state: Any,
   axes: tuple[str, ...],
   scatter: list[int | None] | None = None,
-) -> tuple[Any, jax.Array | None, Any]:
+  extras: Sequence[jax.Array] = (),
+) -> tuple[Any, jax.Array | None, Any, list[jax.Array]]:
   """Combines the per-device accumulators, one fused all-reduce for the sums.
 
   `"sum"` and unweighted `"mean"` leaves are summed over devices. Weighted
@@ -105,9 +106,11 @@ def all_reduce(
   statistics, as synchronised BatchNorm does); other state (counters, keys,
   flags) takes device 0's value.
 
+  `extras` are further scalars to sum over devices, in the same psum.
+
   Returns:
-    `(acc, total, state)` combined over devices; `total` is the summed weight
-    (None when unweighted).
+    `(acc, total, state, extras)` combined over devices; `total` is the summed
+    weight (None when unweighted).
   """
   plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
   values = treedef.flatten_up_to(acc)
@@ -133,12 +136,14 @@ def all_reduce(
   floating = [jnp.issubdtype(jnp.result_type(s), jnp.inexact) for s in state_values]
   to_sum = [summand(i) for i in summed]
   to_sum += [s for s, f in zip(state_values, floating, strict=True) if f]
+  to_sum += list(extras)
   if weighted:
     to_sum.append(total)
   to_sum = jax.lax.psum(to_sum, axes) if to_sum else []
   num_devices = jax.lax.axis_size(axes)
   total = to_sum.pop() if weighted else None
-  sums = iter(to_sum)
+  summed_extras = to_sum[len(to_sum) - len(extras) :]
+  sums = iter(to_sum[: len(to_sum) - len(extras)])
   for i in summed:
     values[i] = next(sums)
   for i, p in enumerate(plans):
@@ -155,4 +160,5 @@ def all_reduce(
     jax.tree.unflatten(treedef, values),
     total,
     jax.tree.unflatten(state_def, state_values),
+    summed_extras,
   )

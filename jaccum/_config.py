@@ -59,6 +59,12 @@ def _check_grad_leaves(grad_leaves: Any) -> Any:
   return grad_leaves
 
 
+def _check_bool(value: Any, name: str) -> bool:
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(f"{name} must be True or False, got {value!r}.")
+  return bool(value)
+
+
 def _normalize(argnum: int, num_args: int, name: str, kwargs: dict[str, Any]) -> int:
   if not -num_args <= argnum < num_args:
     hint = ""
@@ -106,6 +112,7 @@ class Config(NamedTuple):
   split: Split
   unroll: int | bool
   grad_leaves: Any
+  return_stats: bool
 
 
 def axis_tuple(axis_name: Any, name: str = "axis_name") -> tuple[str, ...]:
@@ -135,6 +142,7 @@ def make_config(
   split: Split = "strided",
   unroll: int | bool = 1,
   grad_leaves: Any = None,
+  return_stats: bool = False,
 ) -> Config:
   """Checks every option of `accumulate` that can be checked without arguments."""
   if not callable(grad_fn):
@@ -160,6 +168,7 @@ def make_config(
     split=check_split(split),
     unroll=_check_unroll(unroll),
     grad_leaves=None if grad_leaves is None else _check_grad_leaves(grad_leaves),
+    return_stats=_check_bool(return_stats, "return_stats"),
   )
 
 

@@ -18,7 +18,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _reduce
+from jaccum import _collective, _reduce, _stats
 from jaccum._config import Config, Positions, call_weight_fn
 from jaccum._microbatch import check_batch, take_microbatch
 
@@ -118,6 +118,10 @@ class Local(NamedTuple):
     acc: the carry after the last micro-batch.
     total: the summed weight (float32 at least), or None without `weight_fn`.
     state: the threaded state after the last micro-batch, or None.
+    stats: with `return_stats`, `(Σ_k w_k |g_k|², K')` over this device's
+      micro-batches (w_k the weight, or the rows without `weight_fn`; K'
+      those of nonzero weight), else None.
+    unit_weight: each micro-batch's weight without `weight_fn`: its rows.
   """
 
   leaves: Any
@@ -126,6 +130,8 @@ class Local(NamedTuple):
   acc: Any
   total: jax.Array | None
   state: Any
+  stats: tuple[jax.Array, jax.Array] | None
+  unit_weight: int
 
 
 def _closure_sums_error(closed: Any, axes: tuple[str, ...]) -> ValueError:
@@ -248,13 +254,24 @@ def scan(
   grad_mask = gradient_mask(
     out_shape, params_of(config, at, args), config.grad_leaves, leaves
   )
+  rows = batch_size // num_microbatches
   total0 = None
   if weight_shape is not None:
-    dtype = jnp.promote_types(weight_shape.dtype, jnp.float32)
-    total0 = _reduce.init(_reduce.Leaf("sum", dtype, dtype, ()), weight_shape, 1)
+    total0 = _reduce.zeros(jnp.promote_types(weight_shape.dtype, jnp.float32))
+  stats0 = None
+  if config.return_stats:
+    if not any(jax.tree.leaves(grad_mask)):
+      raise ValueError(
+        "return_stats=True needs to know which outputs are gradients: none of "
+        "grad_fn's output, its first or its second element has the structure and "
+        "shapes of the params (the first non-batch argument); pass grad_leaves."
+      )
+    stats0 = (_reduce.zeros(jnp.float32), _reduce.zeros(jnp.float32))
+    if axes is not None:
+      stats0 = _collective.cast_varying(stats0, axes)
 
   def body(carry, index):
-    acc, state, total = carry
+    acc, state, total, stats = carry
     values = jax.tree.leaves((micro_args(index, state), extras))
     flat_out = jax.core.eval_jaxpr(
       closed.jaxpr,
@@ -265,18 +282,25 @@ def scan(
     if weight is not None:
       total = total + weight.astype(total.dtype)
     acc = _reduce.update(leaves, acc, out, index, weight, total)
-    return (acc, state, total), None
+    if stats is not None:
+      # One scalar per micro-step: the gradient noise scale needs nothing else.
+      w = jnp.asarray(rows if weight is None else weight, jnp.float32)
+      sq_sum, count = stats
+      sq = jnp.where(w != 0, w * _stats.sq_norm(out, grad_mask), 0)
+      stats = (sq_sum + sq, count + (w != 0).astype(jnp.float32))
+    return (acc, state, total, stats), None
 
   acc0 = _reduce.init(leaves, out_shape, num_microbatches)
   carry0 = (
     _collective.match_varying(acc0, out_shape),
     state0,
     None if total0 is None else _collective.match_varying(total0, weight_shape),
+    stats0,
   )
-  (acc, state, total), _ = jax.lax.scan(
+  (acc, state, total, stats), _ = jax.lax.scan(
     body, carry0, jnp.arange(num_microbatches), unroll=config.unroll
   )
-  return Local(leaves, out_shape, grad_mask, acc, total, state)
+  return Local(leaves, out_shape, grad_mask, acc, total, state, stats, rows)
 
 
 def default_rewrite() -> Callable[[Any], Any] | None:
@@ -298,6 +322,29 @@ def check_axes_bound(axes: tuple[str, ...]) -> int:
     ) from None
 
 
+def check_two_sizes(config: Config, num_devices: int) -> None:
+  if config.return_stats and config.num_microbatches * num_devices == 1:
+    raise ValueError(
+      "return_stats=True estimates the gradient noise from two batch sizes, the "
+      "micro-batch and the whole batch; with num_microbatches=1 on one device "
+      "there is only one. Use K >= 2, or several devices."
+    )
+
+
+def stats_of(
+  local: Local,
+  extras: Sequence[jax.Array],
+  total: jax.Array | None,
+  num_terms: int,
+  grad_sq_norm: jax.Array,
+) -> _stats.AccumulationStats:
+  """The noise-scale estimates, once the devices' figures are combined."""
+  weighted_sq_sum, num_weighted = extras
+  # Without weight_fn every micro-batch weighs its rows.
+  weight = jnp.float32(local.unit_weight * num_terms) if total is None else total
+  return _stats.estimate(weighted_sq_sum, num_weighted, weight, grad_sq_norm)
+
+
 def run(
   config: Config,
   at: Positions,
@@ -310,13 +357,19 @@ def run(
   num_terms = config.num_microbatches
   if config.axes is not None:
     num_terms *= check_axes_bound(config.axes)
+  check_two_sizes(config, num_terms // config.num_microbatches)
   local = scan(config, at, args, kwargs, axes=config.axes, rewrite=rewrite)
   acc, total, state = local.acc, local.total, local.state
+  extras = list(local.stats or ())
   if config.axes is not None:
-    acc, total, state = _collective.all_reduce(
-      local.leaves, acc, total, state, config.axes
+    acc, total, state, extras = _collective.all_reduce(
+      local.leaves, acc, total, state, config.axes, extras=extras
     )
   result = _reduce.finalize(
     local.leaves, acc, None if total is not None else num_terms, config.split
   )
-  return result if at.state is None else (result, state)
+  out = result if at.state is None else (result, state)
+  if not config.return_stats:
+    return out
+  grad_sq_norm = _stats.sq_norm(result, local.grad_mask)
+  return out, stats_of(local, extras, total, num_terms, grad_sq_norm)

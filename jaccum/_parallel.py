@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _config, _loop, _reduce
+from jaccum import _collective, _config, _loop, _reduce, _stats
 from jaccum._config import Config, Positions
 
 P = jax.sharding.PartitionSpec
@@ -318,11 +318,12 @@ def run(
       local_args[at.rng] = key
     local = _loop.scan(config, at, local_args, kwargs, rewrite=rewrite)
     found.append(local)
-    return local.acc, local.total, local.state
+    return local.acc, local.total, local.state, local.stats
 
+  _loop.check_two_sizes(config, num_devices)
   # vmap's spmd_axis_name resolves axis names in the mesh of the context.
   with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
-    acc, total, state = jax.vmap(per_device, spmd_axis_name=axes)(blocks, keys)
+    acc, total, state, stats = jax.vmap(per_device, spmd_axis_name=axes)(blocks, keys)
   local = found[0]
   rows = batch_size // per_step
   _check_per_device_leaves(
@@ -348,14 +349,32 @@ def run(
       if dim is not None and plans[i].mode in ("mean", "sum"):
         scatter[i], out_specs[i] = dim, spec
 
-  def reduce_body(acc, total, state):
+  def reduce_body(acc, total, state, stats):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
-    acc, total, state = _collective.all_reduce(
-      local.leaves, first(acc), first(total), first(state), axes, scatter
+    acc, total, state, extras = _collective.all_reduce(
+      local.leaves,
+      first(acc),
+      first(total),
+      first(state),
+      axes,
+      scatter,
+      extras=list(first(stats) or ()),
     )
     result = _reduce.finalize(
       local.leaves, acc, None if total is not None else per_step, config.split
     )
+    estimates = None
+    if config.return_stats:
+      # A reduce-scattered gradient holds a shard on each device: add them up.
+      parts = [
+        _stats.sq_norm(r, True)
+        if dim is None
+        else jax.lax.psum(_stats.sq_norm(r, True), axes)
+        for r, g, dim in zip(jax.tree.leaves(result), grads, scatter, strict=True)
+        if g
+      ]
+      grad_sq_norm = sum(parts, jnp.zeros((), jnp.float32))
+      estimates = _loop.stats_of(local, extras, total, per_step, grad_sq_norm)
     # float0 zeros are not arrays shard_map can return; put back after it.
     result = jax.tree.map(
       lambda p, r: None if p.mode == "float0" else r,
@@ -363,7 +382,7 @@ def run(
       result,
       is_leaf=_reduce.is_plan,
     )
-    return result, state
+    return result, state, estimates
 
   result_specs = jax.tree.unflatten(
     jax.tree.structure(local.leaves, is_leaf=_reduce.is_plan), out_specs
@@ -371,11 +390,11 @@ def run(
   reduced = jax.shard_map(
     reduce_body,
     mesh=mesh,
-    in_specs=(P(axes), P(axes), P(axes)),
-    out_specs=(result_specs, P()),
+    in_specs=(P(axes), P(axes), P(axes), P(axes)),
+    out_specs=(result_specs, P(), P()),
     axis_names=set(axes),
   )
-  result, state = reduced(acc, total, state)
+  result, state, estimates = reduced(acc, total, state, stats)
   if at.state is not None:
     # A key the loop left as it was (an nnx.Rngs key: only its count moves)
     # comes back as it was passed, not folded with device 0's index.
@@ -386,7 +405,8 @@ def run(
     result,
     is_leaf=_reduce.is_plan,
   )
-  return result if at.state is None else (result, state)
+  out = result if at.state is None else (result, state)
+  return out if estimates is None else (out, estimates)
 
 
 def data_parallel(

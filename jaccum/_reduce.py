@@ -159,6 +159,11 @@ def _full(
   return jnp.full((*lead, *shape.shape), value, dtype, out_sharding=sharding)
 
 
+def zeros(dtype: Any) -> jax.Array:
+  """A scalar zero carry (typed on the mesh in context, as carries must be)."""
+  return _full(jax.ShapeDtypeStruct((), dtype), 0, dtype)
+
+
 def _extreme(dtype: np.dtype, highest: bool) -> Any:
   """The identity of max (the lowest value) or of min (the highest)."""
   if dtype == np.bool_:

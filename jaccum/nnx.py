@@ -194,12 +194,16 @@ def _transform(
       state_argnum=0,
       grad_leaves=grad_leaves,
     )
-    out, (new_other, new_rest, new_nodes) = run(
+    result = run(
       (other, rest, nodes_state), *call_args, **call_kwargs, **{_PARAMS: params}
     )
+    stats = None
+    if options.get("return_stats"):
+      result, stats = result
+    out, (new_other, new_rest, new_nodes) = result
     nnx.update(model, new_other, new_rest)
     nnx.update(nodes, new_nodes)
-    return out
+    return out if stats is None else (out, stats)
 
   return accumulated
 
@@ -247,15 +251,17 @@ def value_and_grad(
     **accumulate_kwargs: passed to `jaccum.accumulate`. Argument numbers
       count as in the call `f(model, *batch)`, the model being 0:
       `batch_argnums` defaults to every positional argument after the model
-      but `rng_argnum`, a key argument that each micro-batch gets its own
-      fold of; keyword arguments go whole to every micro-batch.
+      but `rng_argnum` (a key each micro-batch gets its own fold of) and graph
+      nodes; keyword arguments go whole to every micro-batch.
       `weight_fn(*micro_batch)` receives the positional arguments after the
-      model, cut to one micro-batch, and returns its weight, e.g. its number
-      of real tokens for a per-token-mean loss. `reduce` is a string or a
-      prefix of the output structure above.
+      model but graph nodes, cut to one micro-batch, and returns its weight,
+      e.g. its number of real tokens for a per-token-mean loss. `reduce` is a
+      string or a prefix of the output structure above. `return_stats=True`
+      adds the gradient noise scale of `grads` (`jaccum.AccumulationStats`).
 
   Returns:
-    A function `f(model, *batch, **kwargs)` returning `(value, grads)`.
+    A function `f(model, *batch, **kwargs)` returning `(value, grads)`, or
+    `((value, grads), stats)` with `return_stats`.
 
   Raises:
     TypeError: the first argument is not an `nnx.Module`, `loss_fn` returns
