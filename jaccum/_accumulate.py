@@ -85,9 +85,18 @@ def accumulate(
       nothing, even if its output is NaN; a total of 0 gives zeros.
     accum_dtype: floating `"mean"`/`"sum"` leaves narrower than this are
       accumulated in it and cast back at the end; `None` keeps each leaf's
-      dtype. Rounding grows about as √K: float32 accumulation of K=4096 unit
-      gradients is within about 1e-6 relative, while bfloat16 with `None`
-      loses about half the value; keep the float32 default for bf16 models.
+      dtype. Rounding grows with K (`python benchmarks/accum_precision.py`;
+      mean of K gradients of 4,096 entries drawn from N(1, 1), largest and
+      root-mean-square error relative to the largest entry)::
+
+        accumulation                  K=16            K=256           K=4096
+        float32                       1.7e-7/3.5e-8   6.8e-7/1.9e-7   3.3e-6/8.0e-7
+        bf16, float32 accumulator     2.1e-3/9.6e-4   3.3e-3/1.5e-3   3.7e-3/1.7e-3
+        bf16, accum_dtype=None        1.1e-2/2.3e-3   4.7e-2/1.2e-2   7.5e-1/7.1e-1
+
+      float32 grows about as √K; bf16 with a float32 accumulator only pays
+      the final cast to bf16; bf16 summed in bf16 stalls once the sum
+      outgrows its 8-bit mantissa. Keep the float32 default for bf16 models.
     rng_argnum: the positional argument holding a PRNG key; micro-batch k gets
       `jax.random.fold_in(key, k)` (per device, folded with the device first).
     state_argnum: the positional argument holding state that `grad_fn`

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import operator
+import warnings
 from typing import Any, Literal
 
 import jax
@@ -49,6 +51,24 @@ def _divisors_near(batch_size: int, num_microbatches: int) -> list[int]:
   return below + above
 
 
+def _warn_list_of_examples(name: str, tree: Any) -> None:
+  """Warns for a list of same-shaped arrays: likely one example per entry."""
+  if not isinstance(tree, list | tuple) or len(tree) < 2:
+    return
+  shapes = {(getattr(x, "shape", None), getattr(x, "dtype", None)) for x in tree}
+  if len(shapes) != 1:
+    return
+  ((shape, _),) = shapes
+  if shape and shape[0] != len(tree):
+    warnings.warn(
+      f"{name} is a {type(tree).__name__} of {len(tree)} arrays of shape {shape}: "
+      f"jaccum splits each leaf on its axis 0 (of size {shape[0]}), not the "
+      f"{type(tree).__name__}. If it holds one example per entry, stack it first "
+      f"(jnp.stack), so that axis 0 counts the examples.",
+      stacklevel=4,
+    )
+
+
 def check_batch(
   batch: Any, num_microbatches: int, *, names: list[str] | None = None
 ) -> int:
@@ -67,6 +87,8 @@ def check_batch(
     ValueError: leading sizes differ, or N is not a multiple of K.
   """
   names = names or [f"tree[{i}]" for i in range(len(batch))]
+  for name, tree in zip(names, batch, strict=True):
+    _warn_list_of_examples(name, tree)
   first: tuple[str, int] | None = None
   for name, tree in zip(names, batch, strict=True):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -118,6 +140,17 @@ def _strided_rows(x: jax.Array, num_microbatches: int) -> jax.Array:
   spec = getattr(sharding, "spec", None)
   if not spec or mesh is None or not mesh.are_all_axes_explicit:
     return x.reshape(shape)
+  axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0] or ())
+  devices = math.prod(mesh.shape[a] for a in axes)
+  if shape[0] % devices:
+    rows = x.shape[0] // devices
+    raise ValueError(
+      f"a batch of N={x.shape[0]} rows sharded over {devices} devices ({axes}) "
+      f"splits into num_microbatches={num_microbatches} of {shape[0]} rows only if "
+      f"each micro-batch holds a multiple of {devices} rows, one share per device; "
+      f"K dividing {rows} (rows per device) works, e.g. "
+      f"{[k for k in range(1, rows + 1) if rows % k == 0][-3:]}."
+    )
   out_sharding = jax.NamedSharding(mesh, jax.P(spec[0], None, *spec[1:]))
   return jnp.reshape(x, shape, out_sharding=out_sharding)
 

@@ -467,3 +467,59 @@ def test_no_warnings_on_the_common_paths():
     warnings.simplefilter("error")
     jax.jit(jaccum.accumulate(jax.value_and_grad(loss), 2))(W, sharded(mesh, X))
     jax.jit(jaccum.data_parallel(jax.grad(loss), 2, mesh=mesh))(W, sharded(mesh, X))
+
+
+# The quiet fallbacks of the sharded route (what jaccum can and cannot see).
+
+
+def test_custom_vjp_with_a_fresh_constant_cotangent_works_under_data_parallel():
+  @jax.custom_vjp
+  def scaled(w, x):
+    return x @ w
+
+  scaled.defvjp(
+    lambda w, x: (x @ w, x),
+    # The cotangent for x is a fresh constant, the same on every device.
+    lambda x, g: (x.T @ g, jnp.zeros(x.shape)),
+  )
+  custom_loss = lambda w, x: jnp.mean(jnp.tanh(scaled(w, x)) ** 2)
+  for kind in (AxisType.Auto, AxisType.Explicit):
+    mesh = mesh_of(kind)
+    step = jax.jit(jaccum.data_parallel(jax.grad(custom_loss), 2, mesh=mesh))
+    assert_trees_close(
+      step(W, sharded(mesh, X)), jax.grad(custom_loss)(W, X), rtol=1e-5
+    )
+
+
+def test_split_microbatches_names_rows_devices_and_what_works():
+  x = sharded(mesh_of(AxisType.Explicit), X)
+  with pytest.raises(
+    ValueError,
+    match=r"N=64 rows sharded over 8 devices.*num_microbatches=16.*\[2, 4, 8\]",
+  ):
+    jaccum.split_microbatches(x, 16)
+  assert jaccum.split_microbatches(x, 8).shape == (8, 8, 4)
+
+
+def test_a_list_of_per_example_arrays_warns():
+  examples = [X[i] for i in range(8)]  # eight rows of shape (4,)
+  with pytest.warns(UserWarning, match=r"list of 8 arrays of shape \(4,\).*jnp.stack"):
+    jaccum.split_microbatches(examples, 2)
+
+
+def test_a_sharding_given_only_by_in_shardings_is_invisible_to_accumulate():
+  """Documented: the traced batch carries no sharding, so accumulate runs the
+  loop as on one device (exact, with XLA's all-reduce in the loop); data_parallel
+  lays the batch out itself and has none."""
+  mesh = mesh_of(AxisType.Explicit)
+  in_shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    plain = jax.jit(jaccum.accumulate(jax.grad(loss), 2), in_shardings=in_shardings)
+    parallel = jax.jit(
+      jaccum.data_parallel(jax.grad(loss), 2), in_shardings=in_shardings
+    )
+    w, x = np.asarray(W), np.asarray(X)  # as a data loader yields them
+    assert_trees_close(plain(w, x), WHOLE, rtol=1e-5)
+    assert_trees_close(parallel(w, x), WHOLE, rtol=1e-5)
+    assert jaccum.inspect.collectives(plain, w, x).inside_loops >= 1
+    assert jaccum.inspect.collectives(parallel, w, x).inside_loops == 0
