@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaccum._accumulate import accumulate
-from jaccum._parallel import data_parallel
+from jaccum._parallel import data_parallel, spec_axes
 
 if TYPE_CHECKING:
   from jaccum.inspect import MemoryStats
@@ -170,6 +170,16 @@ def _batch_size(args: Sequence[Any], batch_argnums: Any) -> int:
     if np.ndim(leaf) >= 1:
       return np.shape(leaf)[0]
   raise ValueError(f"args[{argnum}], the batch, holds no array with a batch axis.")
+
+
+def _explicit_shards(batch: Any) -> int:
+  """Devices an explicitly sharded batch (arrays or ShapeDtypeStructs) spans."""
+  for leaf in jax.tree.leaves(batch):
+    sharding = getattr(leaf, "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is not None and not mesh.empty and mesh.are_all_axes_explicit and spec:
+      return math.prod(mesh.shape[a] for a in spec_axes(spec[0]))
+  return 1
 
 
 def _num_shards(options: dict[str, Any], args: Sequence[Any], argnum: int) -> int:
@@ -336,13 +346,19 @@ def fit_microbatches(
   batch_argnums = accumulate_kwargs.get("batch_argnums", 1)
   batch_size = _batch_size(args, batch_argnums)
   what = f"the batch size {batch_size}"
-  if parallel:
-    argnum = batch_argnums if _is_int(batch_argnums) else batch_argnums[0]
-    shards = _num_shards(accumulate_kwargs, args, argnum)
+  argnum = batch_argnums if _is_int(batch_argnums) else batch_argnums[0]
+  # A batch sharded over explicit mesh axes makes plain accumulate loop on
+  # every device over its rows too: K then divides the rows per device.
+  shards = (
+    _num_shards(accumulate_kwargs, args, argnum)
+    if parallel
+    else _explicit_shards(args[argnum])
+  )
+  if shards > 1:
     if batch_size % shards:
       raise ValueError(
         f"the batch size {batch_size} must be divisible by the {shards} devices "
-        "data_parallel splits it over."
+        "it is split over."
       )
     what = f"the per-device batch size {batch_size // shards} ({batch_size} rows"
     what += f" over {shards} devices)"

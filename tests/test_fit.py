@@ -604,3 +604,19 @@ def test_bad_options_fail_before_compiling(monkeypatch):
     fit_mlp(axis="data")
   with pytest.raises(TypeError, match=r"takes `axis`, not `axis_name`"):
     fit_mlp(mesh=None, axis_name="data")
+
+
+def test_plain_accumulate_on_an_explicitly_sharded_batch_counts_rows_per_device():
+  """accumulate loops per device on such a batch: K divides 64 / 8 = 8 rows."""
+  explicit = jax.make_mesh((8,), ("data",))
+  sharded = jax.NamedSharding(explicit, jax.P("data"))
+  batch = {
+    "x": SDS((64, 32), jnp.float32, sharding=sharded),
+    "y": SDS((64, 1), jnp.float32, sharding=sharded),
+  }
+  fit = jaccum.fit_microbatches(jax.grad(mlp_loss), PARAMS, batch, memory_budget=2**40)
+  assert fit.num_microbatches == 1
+  with pytest.raises(ValueError, match=r"per-device batch size 8 \(64 rows over 8"):
+    jaccum.fit_microbatches(
+      jax.grad(mlp_loss), PARAMS, batch, memory_budget=2**30, candidates=[16]
+    )
