@@ -6,6 +6,7 @@ from jaccum._accumulate import accumulate
 from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
+from jaccum._pipeline import pipeline
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,7 @@ __all__ = [
   "MultiStepsState",
   "accumulate",
   "data_parallel",
+  "pipeline",
   "split_microbatches",
 ]
 
