@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Var
 
 from jaccum import _collective
@@ -309,6 +310,8 @@ def _one_f_one_b(
       kept = [r for r, d in zip(leaves, per_microbatch, strict=True) if d]
       return outputs, _collective.cast_varying(kept, everywhere)
 
+    # Cotangents travel as lists of their floating leaves; integer leaves of
+    # the activations (e.g. token ids passed along) have float0 cotangents.
     def backward(params, kept, cotangent):
       if remat:
         _, vjp = jax.vjp(stage_fn, params, kept)
@@ -316,7 +319,8 @@ def _one_f_one_b(
         kept_leaves, shared_leaves = iter(kept), iter(shared)
         leaves = [next(kept_leaves if d else shared_leaves) for d in per_microbatch]
         vjp = jax.tree.unflatten(treedef[0], leaves)
-      return vjp(cotangent)
+      param_grads, input_grads = vjp(_with_float0(cotangent, microbatch))
+      return _inexact(param_grads), _inexact(input_grads)
 
     def tick(carry, t):
       received, cotangent_received, ring, grads = carry
@@ -355,7 +359,7 @@ def _one_f_one_b(
       param_grads, input_grads = jax.lax.cond(
         _in_range(index, num_microbatches),
         backward,
-        lambda p, k, c: (_zeros_like(p), _zeros_like(microbatch)),
+        lambda p, k, c: (_zeros_like(_inexact(p)), _zeros_like(c)),
         params,
         _take(ring, index % num_slots),
         cotangent,
@@ -371,18 +375,42 @@ def _one_f_one_b(
 
     ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_slots, *a.shape)), kept_like)
     ring = _collective.match_varying(ring, kept_like)
-    carry = (microbatch, _zeros_like(microbatch), ring, _zeros_like(params))
+    output_cotangents = _inexact(output_cotangents)
+    carry = (
+      microbatch,
+      _zeros_like(_inexact(microbatch)),
+      ring,
+      _zeros_like(_inexact(params)),
+    )
     ticks = jnp.arange(num_microbatches + 2 * num_stages - 2)
     (_, _, _, grads), input_grads = jax.lax.scan(tick, carry, ticks)
     # Stage 0 finishes micro-batch k's backward at tick k + 2S - 2.
-    input_grads = jax.tree.map(
-      lambda g: jnp.where(first, g[2 * num_stages - 2 :], jnp.zeros_like(g[:1])),
-      input_grads,
-    )
-    return grads, input_grads
+    input_grads = [
+      jnp.where(first, g[2 * num_stages - 2 :], jnp.zeros_like(g[:1]))
+      for g in input_grads
+    ]
+    return _with_float0(grads, params), _with_float0(input_grads, xs)
 
   run.defvjp(run_fwd, run_bwd)
   return run(params, xs)
+
+
+def _inexact(tree: Any) -> list[Any]:
+  """The leaves of `tree` that carry cotangents: the floating ones."""
+  return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def _with_float0(inexact: list[Any], like: Any) -> Any:
+  """`like`'s tree with `inexact` at its floating leaves, float0 zeros elsewhere."""
+  values = iter(inexact)
+  return jax.tree.map(
+    lambda x: (
+      next(values)
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+      else np.zeros(x.shape, jax.dtypes.float0)
+    ),
+    like,
+  )
 
 
 def _depends_on_inputs(

@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import assert_trees_close, max_rel_error
 from jax.sharding import AxisType, NamedSharding
@@ -154,13 +155,13 @@ def test_explicit_mesh_axes(schedule):
   )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b+remat"])
 def test_pytree_activations(schedule):
-  """x may be a pytree; every leaf flows through the stages."""
+  """x may be a pytree, integer leaves included; every leaf flows through."""
 
   def two_stream_stage(params, x):
-    h = stage_fn(params, x["h"])
-    return {"h": h, "total": x["total"] + h.sum(-1)}
+    h = stage_fn(params, x["h"]) * (x["ids"] % 3 > 0)[:, None]
+    return {"h": h, "total": x["total"] + h.sum(-1), "ids": x["ids"] + 1}
 
   def sequential_streams(params, x):
     for s in range(NUM_STAGES):
@@ -169,11 +170,19 @@ def test_pytree_activations(schedule):
 
   mesh = make_mesh("data×stage")
   params, h = make_problem(mesh, jnp.float32)
-  x = {"h": h, "total": jnp.zeros(h.shape[0])}
-  loss = lambda apply: lambda p, x: jnp.sum(jnp.cos(apply(p, x)["total"]))
+  x = {"h": h, "total": h[:, 0], "ids": jnp.arange(h.shape[0])}
+
+  def loss(apply):
+    def loss(params, h, total):
+      y = apply(params, {"h": h, "total": total, "ids": x["ids"]})
+      return jnp.sum(jnp.cos(y["total"]) + jnp.sin(y["h"][:, 0])), y["ids"]
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
   pipe = jaccum.pipeline(two_stream_stage, NUM_STAGES, mesh=mesh, **SCHEDULES[schedule])
-  expected = jax.jit(jax.value_and_grad(loss(sequential_streams)))(params, x)
-  actual = jax.jit(jax.value_and_grad(loss(pipe)))(params, x)
+  expected = loss(sequential_streams)(params, h, x["total"])
+  actual = loss(pipe)(params, h, x["total"])
+  np.testing.assert_array_equal(actual[0][1], x["ids"] + NUM_STAGES)
   assert_trees_close(actual, expected, 1e-5)
 
 
