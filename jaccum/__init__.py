@@ -7,6 +7,7 @@ from jaccum._fit import MicrobatchFit, fit_microbatches, fit_train_step
 from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
+from jaccum._pipeline import pipeline
 from jaccum._stats import AccumulationStats
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
   "data_parallel",
   "fit_microbatches",
   "fit_train_step",
+  "pipeline",
   "split_microbatches",
 ]
 
