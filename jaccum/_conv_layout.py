@@ -8,10 +8,11 @@ Its `ConvCanonicalization` pass rewrites every other convolution into
 transpose -> canonical convolution -> transpose, but it visits only the entry
 computation. Convolutions inside a while loop's body, such as the body of the
 `lax.scan` that accumulates micro-batches, keep their layout and run on a
-generic loop nest many times slower. A backward pass always makes such
+generic loop nest, many times slower. A backward pass always makes such
 convolutions, even for an NHWC model: its kernel gradient is
 `f01b_i01o->01bf` and its input gradient `b01f_01oi->b01f`. On the Flax
-tutorial's CNN that made the loop 3-4x slower than the whole batch.
+tutorial's CNN that made the loop 4-7x slower than the whole batch on a
+2-core CPU, and a ResNet block's loop 20x slower than the same work unrolled.
 
 `canonicalize_convolutions` does that pass's work on the traced micro-step, so
 the loop body reaches XLA canonical. It also turns a convolution that groups
@@ -152,11 +153,20 @@ class _Rewriter:
   """
 
   def __init__(self):
-    self._done: dict[int, tuple[Jaxpr, Jaxpr]] = {}
+    # id(program) -> (program, rewritten); holding the program keeps its id.
+    self._done: dict[int, tuple[Any, Any]] = {}
 
-  def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
-    if id(jaxpr) in self._done:
-      return self._done[id(jaxpr)][1]
+  def program(self, program: Jaxpr | ClosedJaxpr) -> Any:
+    if id(program) not in self._done:
+      if isinstance(program, ClosedJaxpr):
+        jaxpr = self.program(program.jaxpr)
+        new = program if jaxpr is program.jaxpr else program.replace(jaxpr=jaxpr)
+      else:
+        new = self._jaxpr(program)
+      self._done[id(program)] = (program, new)
+    return self._done[id(program)][1]
+
+  def _jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
     eqns: list[JaxprEqn] = []
     for eqn in jaxpr.eqns:
       if _needs_rewrite(eqn):
@@ -168,16 +178,11 @@ class _Rewriter:
     unchanged = len(eqns) == len(jaxpr.eqns) and all(
       new is old for new, old in zip(eqns, jaxpr.eqns, strict=True)
     )
-    new = jaxpr if unchanged else jaxpr.replace(eqns=eqns)
-    self._done[id(jaxpr)] = (jaxpr, new)  # holds `jaxpr`, so its id stays its own
-    return new
+    return jaxpr if unchanged else jaxpr.replace(eqns=eqns)
 
   def _param(self, value: Any) -> Any:
-    if isinstance(value, Jaxpr):
-      return self.jaxpr(value)
-    if isinstance(value, ClosedJaxpr):
-      new = self.jaxpr(value.jaxpr)
-      return value if new is value.jaxpr else value.replace(jaxpr=new)
+    if isinstance(value, Jaxpr | ClosedJaxpr):
+      return self.program(value)
     if isinstance(value, tuple) and any(
       isinstance(v, Jaxpr | ClosedJaxpr) for v in value
     ):
@@ -215,5 +220,4 @@ def canonicalize_convolutions(closed: ClosedJaxpr) -> ClosedJaxpr:
     >>> bool(jnp.allclose(out, conv(x, w)))
     True
   """
-  new = _Rewriter().jaxpr(closed.jaxpr)
-  return closed if new is closed.jaxpr else closed.replace(jaxpr=new)
+  return _Rewriter().program(closed)

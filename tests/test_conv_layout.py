@@ -413,6 +413,17 @@ def test_convolutions_in_jit_cond_while_scan_and_custom_rules(dtype):
   jax.extend.core.check_jaxpr(canonicalize_convolutions(traced).jaxpr)
 
 
+def test_a_program_that_equations_share_is_rewritten_once_and_stays_shared():
+  layer = jax.jit(nchw_conv)
+  x, kernel = np.ones((2, 3, 5, 5), np.float32), np.ones((3, 3, 3, 3), np.float32)
+  traced = jax.make_jaxpr(lambda x, k: layer(layer(x, k), k))(x, kernel)
+  rewritten = canonicalize_convolutions(traced)
+  for closed in (traced, rewritten):
+    first, second = (e.params["jaxpr"] for e in closed.eqns)
+    assert first is second
+  assert is_canonical(*convolutions(first.jaxpr))
+
+
 def test_precision_groups_dilations_and_output_type_are_kept():
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(2, 8, 9, 10)), jnp.bfloat16)
