@@ -108,9 +108,13 @@ class MemoryStats(NamedTuple):
     )
 
 
-def _count_collectives(hlo_text: str) -> CollectiveCounts:
-  """Counts the collectives in optimised HLO text, `compiled.as_text()`."""
-  instructions: list[tuple[str, str]] = []  # (computation, instruction text)
+def _instructions(hlo_text: str) -> list[tuple[bool, str, str]]:
+  """`(inside_loop, opcode, text)` for each instruction of optimised HLO text.
+
+  `inside_loop`: in a while loop's body or condition, or in a computation they
+  call. `text` is what follows `name =`, with quoted metadata emptied.
+  """
+  lines: list[tuple[str, str]] = []  # (computation, instruction text)
   computation = None
   for line in hlo_text.splitlines():
     header = None if line[:1].isspace() else _HEADER.match(line)
@@ -119,14 +123,14 @@ def _count_collectives(hlo_text: str) -> CollectiveCounts:
     elif line.startswith("}"):
       computation = None
     elif computation and _INSTRUCTION.match(line):
-      instructions.append((computation, line))
-    elif computation and instructions and line.strip():  # printed over lines
-      instructions[-1] = (computation, instructions[-1][1] + " " + line.strip())
+      lines.append((computation, line))
+    elif computation and lines and line.strip():  # printed over lines
+      lines[-1] = (computation, lines[-1][1] + " " + line.strip())
 
-  names = {computation for computation, _ in instructions}
+  names = {computation for computation, _ in lines}
   calls: dict[str, set[str]] = {name: set() for name in names}
-  loop_roots, collectives = set(), []
-  for computation, line in instructions:
+  loop_roots, parsed = set(), []
+  for computation, line in lines:
     # Metadata and backend configs are quoted and may hold any text.
     line = _QUOTED.sub('""', line.split("=", 1)[1])
     match = _OPCODE.search(" " + line)
@@ -136,20 +140,27 @@ def _count_collectives(hlo_text: str) -> CollectiveCounts:
       calls[computation] |= callees
       if opcode == "while" and attribute in ("body", "condition"):
         loop_roots |= callees
-    # An async pair counts once, at its `-start`; an `async-start` wrapper
-    # holds the plain op in the computation it calls.
-    kind = opcode.removesuffix("-start").removeprefix("ragged-")
-    if kind in _KINDS:
-      collectives.append((computation, kind))
+    parsed.append((computation, opcode, line))
 
   in_loops, stack = set(), list(loop_roots)
   while stack:
     if (name := stack.pop()) not in in_loops:
       in_loops.add(name)
       stack.extend(calls[name])
+  return [
+    (computation in in_loops, opcode, line) for computation, opcode, line in parsed
+  ]
+
+
+def _count_collectives(hlo_text: str) -> CollectiveCounts:
+  """Counts the collectives in optimised HLO text, `compiled.as_text()`."""
   counts = {kind: [0, 0] for kind in _KINDS}
-  for computation, kind in collectives:
-    counts[kind][computation not in in_loops] += 1
+  for inside_loop, opcode, _ in _instructions(hlo_text):
+    # An async pair counts once, at its `-start`; an `async-start` wrapper
+    # holds the plain op in the computation it calls.
+    kind = opcode.removesuffix("-start").removeprefix("ragged-")
+    if kind in _KINDS:
+      counts[kind][not inside_loop] += 1
   return CollectiveCounts(*(Count(*counts[kind]) for kind in _KINDS))
 
 
