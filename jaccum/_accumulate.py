@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaccum import _config, _loop, _parallel
@@ -179,7 +180,12 @@ def accumulate(
     if route is None:
       return _loop.run(config, at, args, kwargs, rewrite=rewrite)
     mesh, axes = route
-    if at.state is not None:
+    if at.state is not None and any(
+      jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+      for x in jax.tree.leaves(args[at.state])
+    ):
+      # Floating state (BatchNorm statistics) would be per device; counters
+      # and keys advance exactly as unsharded.
       _parallel.warn_per_device_state(axes)
     return _parallel.run(
       config,

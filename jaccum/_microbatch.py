@@ -52,8 +52,11 @@ def _divisors_near(batch_size: int, num_microbatches: int) -> list[int]:
 
 
 def _warn_list_of_examples(name: str, tree: Any) -> None:
-  """Warns for a list of same-shaped arrays: likely one example per entry."""
-  if not isinstance(tree, list | tuple) or len(tree) < 2:
+  """Warns for a long list of same-shaped arrays: likely one example per entry.
+
+  Tuples and short lists are left alone: `(x, y)` pairs often share a shape.
+  """
+  if not isinstance(tree, list) or len(tree) < 4:
     return
   shapes = {(getattr(x, "shape", None), getattr(x, "dtype", None)) for x in tree}
   if len(shapes) != 1:
