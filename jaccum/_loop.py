@@ -18,7 +18,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _reduce, _stats
+from jaccum import _collective, _conv_layout, _reduce, _stats
 from jaccum._config import Config, Positions, call_weight_fn
 from jaccum._microbatch import check_batch, take_microbatch
 
@@ -304,7 +304,13 @@ def scan(
 
 
 def default_rewrite() -> Callable[[Any], Any] | None:
-  """The rewrite the traced micro-step gets on the default backend, if any."""
+  """The rewrite the traced micro-step gets on the default backend, if any.
+
+  On CPU, convolutions in a loop body miss XLA's fast layout (see
+  `_conv_layout`); other backends run the micro-step as traced.
+  """
+  if jax.default_backend() == "cpu":
+    return _conv_layout.canonicalize_convolutions
   return None
 
 

@@ -17,6 +17,8 @@ from flax import nnx
 from helpers import assert_trees_close
 from jax.extend.core import jaxprs_in_params, primitives
 
+import jaccum
+import jaccum.nnx
 from jaccum._collective import cast_varying
 from jaccum._conv_layout import canonicalize_convolutions
 from jaccum.inspect import _instructions
@@ -566,3 +568,39 @@ def test_no_non_canonical_convolution_in_the_compiled_loop_body(layout, num_spat
   assert len(non_canonical[False]) > len(reversed_windows(loops[False]))
   assert non_canonical[True] == [c for c in loops[True] if "rhs_reversal" in c[1]]
   assert len(loops[True]) >= 2 * len(LAYERS)  # forward and backward are there
+
+
+# --- through jaccum's own loop ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_accumulate_and_jaccum_nnx_run_canonical_convolutions_exactly(dtype):
+  """accumulate traces the micro-step once and, on CPU, rewrites that program."""
+  graphdef, params = nnx_split(TutorialCNN)
+  batch = digits_batch(dtype)
+
+  def loss(params, batch):
+    return cross_entropy(nnx.merge(graphdef, params)(batch["x"]), batch["y"])
+
+  with jax.enable_x64(dtype == "float64"):
+    params, batch = cast(params, dtype), cast(batch, dtype)
+    step = jax.jit(jaccum.accumulate(jax.grad(loss), NUM_MICROBATCHES))
+    assert_trees_close(
+      step(params, batch), jax.jit(jax.grad(loss))(params, batch), TOLERANCE[dtype]
+    )
+    if jax.default_backend() == "cpu":
+      in_loop = [
+        labels
+        for inside, labels, window in compiled_convolutions(
+          step.lower(params, batch).compile()
+        )
+        if inside and "rhs_reversal" not in window
+      ]
+      assert in_loop and set(in_loop) <= CANONICAL_LABELS
+
+  model = TutorialCNN(nnx.Rngs(0))
+  nnx_loss = lambda model, x, y: cross_entropy(model(x), y)
+  x, y = digits_batch("float32")["x"], digits_batch("float32")["y"]
+  _, grads = nnx.jit(jaccum.nnx.value_and_grad(nnx_loss, NUM_MICROBATCHES))(model, x, y)
+  _, whole = nnx.jit(nnx.value_and_grad(nnx_loss))(model, x, y)
+  assert_trees_close(grads, whole, 1e-5)
