@@ -134,20 +134,31 @@ class Local(NamedTuple):
   unit_weight: int
 
 
-def _closure_sums_error(closed: Any, axes: tuple[str, ...]) -> ValueError:
-  found = [
+def _check_closures(closed: Any, batch: Any, axes: tuple[str, ...]) -> None:
+  """Refuses closed-over arrays whose gradients JAX sums in every micro-step.
+
+  Only inside a `shard_map` that types device-varying values (the batch
+  varies over `axes`): there a differentiated array that is the same on every
+  device gets a psum in its backward pass, which jaccum would count again.
+  """
+  if not any(_collective.varying_axes(x) for x in jax.tree.leaves(batch)):
+    return  # pmap, or shard_map without type checks: no psum is inserted
+  invariant = [
     f"{c.dtype}{list(c.shape)}"
     for c in closed.consts
-    if isinstance(c, jax.Array) and jnp.issubdtype(c.dtype, jnp.inexact)
+    if isinstance(c, jax.Array)
+    and jnp.issubdtype(c.dtype, jnp.inexact)
+    and not set(axes) <= _collective.varying_axes(c)
   ]
-  return ValueError(
-    f"grad_fn differentiates arrays it reaches other than through its arguments "
-    f"(closed over: {', '.join(found)}), and they are the same on every device: "
-    f"inside shard_map JAX then sums their gradients over {axes} in every "
-    f"micro-step, and the result would count each device's share again. Pass "
-    f"these arrays to the accumulated function as arguments (positional or "
-    f"keyword), or use jaccum.data_parallel, which accepts closures."
-  )
+  if invariant and _collective.sums_over(closed.jaxpr, axes):
+    raise ValueError(
+      f"grad_fn differentiates arrays it reaches other than through its arguments "
+      f"(closed over: {', '.join(invariant)}), and they are the same on every "
+      f"device: inside shard_map JAX then sums their gradients over {axes} in "
+      f"every micro-step, and the result would count each device's share again. "
+      f"Pass these arrays to the accumulated function as arguments (positional "
+      f"or keyword), or use jaccum.data_parallel, which accepts closures."
+    )
 
 
 def scan(
@@ -229,32 +240,16 @@ def scan(
   )
   out_shape, _, weight_shape = shapes
   out_tree = jax.tree.structure(shapes)
-  if axes is not None and any(
-    _collective.varying_axes(x) for i in at.batch for x in jax.tree.leaves(args[i])
-  ):
-    invariant = [
-      c
-      for c in closed.consts
-      if isinstance(c, jax.Array)
-      and jnp.issubdtype(c.dtype, jnp.inexact)
-      and not set(axes) <= _collective.varying_axes(c)
-    ]
-    if invariant and _collective.sums_over(closed.jaxpr, axes):
-      raise _closure_sums_error(closed, axes)
+  if axes is not None:
+    _check_closures(closed, [args[i] for i in at.batch], axes)
   if rewrite is not None:
     closed = rewrite(closed)
 
-  leaves = _reduce.plan(
-    config.reduce,
-    out_shape,
-    config.accum_dtype,
-    batch_size // num_microbatches,
-    split,
-  )
+  rows = batch_size // num_microbatches
+  leaves = _reduce.plan(config.reduce, out_shape, config.accum_dtype, rows, split)
   grad_mask = gradient_mask(
     out_shape, params_of(config, at, args), config.grad_leaves, leaves
   )
-  rows = batch_size // num_microbatches
   total0 = None
   if weight_shape is not None:
     total0 = _reduce.zeros(jnp.promote_types(weight_shape.dtype, jnp.float32))
