@@ -8,6 +8,8 @@ scales reduced with `"min"`. That is one finiteness decision per step, and
 the scale DynamicScale would have chosen on the whole batch.
 """
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -182,7 +184,7 @@ def test_the_scale_follows_one_decision_per_step_over_a_trajectory():
     )
   assert decisions == want_decisions
   scales = [2.0**21] + [scale for _, scale, _ in decisions]
-  steps = list(zip(scales, scales[1:]))
+  steps = list(itertools.pairwise(scales))
   assert sum(new < old for old, new in steps) >= 2  # it backed off,
   assert any(new > old for old, new in steps)  # and grew again
   assert_trees_close(state[0], reference[0], rtol=1e-5, atol=1e-7)
