@@ -241,3 +241,64 @@ def test_under_pmap_every_device_takes_the_global_decision():
   got = p_grad_fn(PARAMS, ds, bad)
   np.testing.assert_array_equal(got.finite, [False] * num_devices)
   np.testing.assert_array_equal(got.dynamic_scale.scale, [2.0**11] * num_devices)
+
+
+# With BatchNorm: the recipe inside a micro-step that also threads batch_stats.
+
+
+class NormNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, use_bias=False, dtype=jnp.float16)(x)
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9, dtype=jnp.float16)(x)
+    return nn.Dense(4, dtype=jnp.float16)(nn.relu(x))
+
+
+def norm_loss_fn(params, batch_stats, batch):
+  logits, new_model_state = NormNet().apply(
+    {"params": params, "batch_stats": batch_stats},
+    batch["x"],
+    mutable=["batch_stats"],
+  )
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+    logits.astype(jnp.float32), batch["y"]
+  ).mean()
+  return loss, (new_model_state, logits)
+
+
+def norm_micro_step(params, batch_stats, dynamic_scale, batch):
+  def scaled_loss(params):
+    loss, aux = norm_loss_fn(params, batch_stats, batch)
+    return loss / NUM_MICROBATCHES, aux
+
+  grad_fn = dynamic_scale.value_and_grad(scaled_loss, has_aux=True)
+  dynamic_scale, is_finite, (loss, (new_model_state, logits)), grads = grad_fn(params)
+  result = DynamicScaleResult(dynamic_scale, is_finite, (loss, logits), grads)
+  return result, new_model_state["batch_stats"]
+
+
+def test_the_recipe_threads_batch_stats_with_state_argnum():
+  batch = make_batch(seed=4)
+  variables = NormNet().init(jax.random.key(1), batch["x"])
+  params, batch_stats = variables["params"], variables["batch_stats"]
+  ds = dynamic_scale(2.0**12, fin_steps=5)
+  grad_fn = jaccum.accumulate(
+    norm_micro_step,
+    NUM_MICROBATCHES,
+    batch_argnums=3,
+    state_argnum=1,
+    reduce=DynamicScaleResult("min", "min", ("sum", "concat"), "sum"),
+  )
+  got, got_stats = jax.jit(grad_fn)(params, batch_stats, ds, batch)
+
+  results, stats = [], batch_stats
+  for k in range(NUM_MICROBATCHES):
+    micro = jax.tree.map(lambda x, k=k: x[k::NUM_MICROBATCHES], batch)
+    result, stats = jax.jit(norm_micro_step)(params, stats, ds, micro)
+    results.append(result)
+  assert_trees_close(got_stats, stats, rtol=1e-6)
+  assert bool(got.finite) and int(got.dynamic_scale.fin_steps) == 6
+  np.testing.assert_allclose(got.aux[0], sum(r.aux[0] for r in results), rtol=1e-6)
+  sums = jax.tree.map(lambda *g: sum(g), *(r.grad for r in results))
+  assert_trees_close(got.grad, sums, rtol=1e-6, atol=1e-8)
+  np.testing.assert_array_equal(got.aux[1][1::NUM_MICROBATCHES], results[1].aux[1])
