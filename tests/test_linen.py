@@ -576,3 +576,23 @@ def test_errors_name_the_problem():
     jaccum.linen.value_and_grad(loss_fn, 3, has_aux=True)(
       state.params, state.batch_stats, batch
     )
+
+
+def test_loss_fn_is_traced_once_per_compilation():
+  x, y = make_batch(seed=9)
+  state, batch, key = make_state(x), {"x": x, "y": y}, jax.random.key(0)
+  traces = []
+
+  def loss_fn(params, batch_stats, batch, rng):
+    traces.append(1)
+    pred, updates = net_apply(params, batch_stats, batch, rng)
+    return mse(pred, batch), (updates, pred)
+
+  step = jax.jit(
+    jaccum.linen.value_and_grad(
+      loss_fn, 4, has_aux=True, reduce=(("mean", "concat"), "mean")
+    )
+  )
+  for _ in range(3):
+    step(state.params, state.batch_stats, batch, key)
+  assert len(traces) == 1
