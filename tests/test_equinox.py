@@ -259,3 +259,24 @@ def test_eqx_state_trains_and_serves_inference_from_the_threaded_state():
     eqx.nn.inference_mode(reference[0]), axis_name="batch", in_axes=(0, None)
   )(test_xs, reference[1])
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_stateful_examples_grad_line_is_already_out_and_new_state():
+  # Equinox's stateful example: `grads, state = eqx.filter_grad(compute_loss,
+  # has_aux=True)(model, state, xs, ys)` returns (out, new_state) as it is.
+  model, state = eqx.nn.make_with_state(StatefulModel)(jax.random.key(5), "batch")
+  xs, ys = regression_data(seed=7)
+  grads, new_state = eqx.filter_jit(
+    jaccum.accumulate(
+      eqx.filter_grad(compute_loss, has_aux=True),
+      NUM_MICROBATCHES,
+      batch_argnums=(2, 3),
+      state_argnum=1,
+    )
+  )(model, state, xs, ys)
+  (_, want_grads), want_state = eqx.filter_jit(sequential)(model, state, xs, ys)
+  assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+  for got, want in zip(
+    jax.tree.leaves(new_state), jax.tree.leaves(want_state), strict=True
+  ):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
