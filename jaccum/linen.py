@@ -146,9 +146,10 @@ def value_and_grad(
       the statistics come back unchanged, as the whole batch would drop
       them.
     **accumulate_kwargs: passed to `jaccum.accumulate` (`reduce`,
-      `weight_fn`, `accum_dtype`, `axis_name`, `split`, `unroll`).
+      `weight_fn`, `accum_dtype`, `axis_name`, `split`, `unroll`, …).
       `reduce` is a prefix of `((loss, aux), grads)` (or `(loss, grads)`);
-      `weight_fn(batch)` receives the micro-batch. The argument positions
+      `weight_fn(batch)` receives the micro-batch; with `return_stats` the
+      result is `(value_and_grad, stats)`. The argument positions
       are fixed by the call, so `batch_argnums`, `rng_argnum`,
       `state_argnum` and `grad_leaves` are not options.
 
@@ -242,11 +243,14 @@ def value_and_grad(
       state_argnum=1,
       grad_leaves=grad_leaves,
     )
-    out, new_stats = run(params, batch_stats, *args, **kwargs)
-    if not has_aux:
-      return out
-    (loss, rest), grads = out
-    aux = _put_stats(rest, slots[-1], new_stats) if threads else rest
-    return (loss, aux), grads
+    result, stats = run(params, batch_stats, *args, **kwargs), None
+    if options.get("return_stats"):
+      result, stats = result
+    out, new_stats = result
+    if has_aux:
+      (loss, rest), grads = out
+      aux = _put_stats(rest, slots[-1], new_stats) if threads else rest
+      out = (loss, aux), grads
+    return out if stats is None else (out, stats)
 
   return accumulated
