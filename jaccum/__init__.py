@@ -27,8 +27,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-  # Submodules load on first use: `jaccum.nnx` imports Flax, `jaccum.inspect`
-  # is for checking compiled steps; neither is needed to accumulate.
-  if name in ("inspect", "nnx"):
+  # Submodules load on first use: `jaccum.nnx` and `jaccum.linen` import Flax,
+  # `jaccum.inspect` is for checking compiled steps; none is needed to accumulate.
+  if name in ("inspect", "linen", "nnx"):
     return importlib.import_module(f"jaccum.{name}")
   raise AttributeError(f"module 'jaccum' has no attribute {name!r}")

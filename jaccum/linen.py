@@ -1,0 +1,256 @@
+"""Flax Linen integration: an accumulated `jax.value_and_grad` for Linen train steps."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaccum._accumulate import accumulate
+
+__all__ = ["value_and_grad"]
+
+# Fixed by the call f(params, batch_stats, batch[, rng]), so not options here.
+_FIXED = ("batch_argnums", "rng_argnum", "state_argnum", "grad_leaves")
+
+
+def _is_stats_slot(node: Any, batch_stats: Any) -> bool:
+  """Whether `node` holds the new `batch_stats`: bare, or as `apply` returns them."""
+  stats_def = jax.tree.structure(batch_stats)
+  if jax.tree.structure(node) == stats_def:
+    return True
+  return (
+    isinstance(node, Mapping)
+    and list(node) == ["batch_stats"]
+    and jax.tree.structure(node["batch_stats"]) == stats_def
+  )
+
+
+def _take_stats(aux: Any, batch_stats: Any) -> tuple[Any, Any, Any]:
+  """Finds the new `batch_stats` in `aux`; returns (slot, new stats, aux without).
+
+  The slot is `(index, treedef)`: `index` is None when `aux` itself holds the
+  statistics, else their position in the `aux` tuple; `treedef` rebuilds
+  what stood there (the bare tree, or `{"batch_stats": ...}`) from the
+  statistics' leaves. In `aux without`, None stands where they were.
+  """
+  candidates = [(None, aux)]
+  if isinstance(aux, tuple | list):
+    candidates += list(enumerate(aux))
+  found = [(i, node) for i, node in candidates if _is_stats_slot(node, batch_stats)]
+  if len(found) != 1:
+    what = "none" if not found else f"{len(found)} (ambiguous)"
+    raise TypeError(
+      "with batch_stats to thread, loss_fn must return (loss, aux) with the updated "
+      "statistics in aux: aux itself or one element of the aux tuple must be "
+      "either a tree like batch_stats or {'batch_stats': ...} as "
+      "`apply(..., mutable=['batch_stats'])` returns it, e.g. "
+      f"`return loss, (new_model_state, logits)`; found {what} in aux of "
+      f"structure {jax.tree.structure(aux)}."
+    )
+  index, node = found[0]
+  leaves, slot_def = jax.tree.flatten(node)
+  new_stats = jax.tree.unflatten(jax.tree.structure(batch_stats), leaves)
+  if index is None:
+    rest = None
+  else:
+    rest = type(aux)(None if i == index else a for i, a in enumerate(aux))
+  return (index, slot_def), new_stats, rest
+
+
+def _put_stats(rest: Any, slot: tuple[Any, Any], stats: Any) -> Any:
+  """Puts the final statistics back where `_take_stats` found them."""
+  index, slot_def = slot
+  node = jax.tree.unflatten(slot_def, jax.tree.leaves(stats))
+  if index is None:
+    return node
+  return type(rest)(node if i == index else a for i, a in enumerate(rest))
+
+
+def _warn_per_example_aux(rest: Any, reduce: Any, rows: int) -> None:
+  """Warns for aux leaves with one row per example that are averaged."""
+  try:
+    modes = jax.tree.broadcast(reduce, ((0.0, rest), 0.0))[0][1]
+  except ValueError:
+    return  # accumulate names the bad reduce tree
+  for (path, leaf), mode in zip(
+    jax.tree_util.tree_flatten_with_path(rest)[0], jax.tree.leaves(modes), strict=True
+  ):
+    if mode == "mean" and rows > 1 and jnp.shape(leaf)[:1] == (rows,):
+      warnings.warn(
+        f"aux{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, one row per "
+        f"example of the micro-batch of {rows}, and is averaged over micro-batches "
+        f'(reduce="mean"), which mixes different examples\' rows. To keep one row '
+        f'per example in the batch\'s order, pass reduce=(("mean", "concat"), '
+        f'"mean") (loss, aux, grads); the batch_stats in aux are threaded whatever '
+        f"their mode says.",
+        stacklevel=2,
+      )
+
+
+def value_and_grad(
+  loss_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  has_aux: bool = False,
+  **accumulate_kwargs: Any,
+) -> Callable[..., Any]:
+  """Accumulated `jax.value_and_grad` for Linen: `f(params, batch_stats, batch[, rng])`.
+
+  The Linen counterpart of `jaccum.nnx.value_and_grad`, for train steps
+  written as in Flax's examples: a `loss_fn(params, batch_stats, batch, rng)`
+  that applies the model with `mutable=['batch_stats']` and the key as its
+  dropout key, and returns `(loss, aux)` with the updated statistics in
+  `aux`. The batch is split into K micro-batches; `batch_stats` is threaded
+  through them in order (micro-batch k+1 sees the statistics micro-batch k
+  returned), each micro-batch gets its own key (`fold_in(rng, k)`), and the
+  result is what `jax.value_and_grad(loss_fn, has_aux=has_aux)` returns on
+  the whole batch: `(loss, grads)` or `((loss, aux), grads)`, with the
+  final statistics where `loss_fn` put them in `aux`. So in a Flax train
+  step only the gradient line changes::
+
+    aux, grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, state.batch_stats, batch)
+    # becomes
+    aux, grads = jaccum.linen.value_and_grad(loss_fn, K, has_aux=True)(
+        state.params, state.batch_stats, batch)
+
+  The new statistics are found in `aux` by their structure: `aux` itself,
+  or one element of the `aux` tuple, is either a tree like `batch_stats` or
+  the `{'batch_stats': ...}` that `apply(..., mutable=['batch_stats'])`
+  returns. `loss_fn` must read the statistics from its argument, not from a
+  closure (`state.batch_stats`), or every micro-batch starts from the old
+  ones. BatchNorm's running averages thus take K updates per step, one per
+  micro-batch of N/K rows (see `jaccum.accumulate`'s `state_argnum`).
+
+  Other `aux` leaves are averaged over micro-batches unless `reduce` says
+  otherwise; one that holds a row per example (logits) is averaged with a
+  warning. Keep its rows in the batch's order with
+  `reduce=(("mean", "concat"), "mean")`: loss mean, aux concat, grads mean.
+  The statistics' slot in `aux` takes any mode; they are threaded.
+
+  Under `pmap` (or `shard_map`) pass `axis_name`: the gradients and the loss
+  are then combined over devices once, after the loop, and the statistics
+  are averaged over devices as Flax's examples do with `lax.pmean`; both
+  `pmean`s of the example become redundant.
+
+  Args:
+    loss_fn: `loss_fn(params, batch_stats, batch, rng, **kwargs)`, or without
+      `rng`, returning a float scalar loss (a mean over the micro-batch's
+      examples), or `(loss, aux)` with `has_aux`.
+    num_microbatches: the number of micro-batches K; it divides the batch.
+    has_aux: whether `loss_fn` returns `(loss, aux)`. With `has_aux=False`
+      the statistics come back unchanged, as the whole batch would drop
+      them.
+    **accumulate_kwargs: passed to `jaccum.accumulate` (`reduce`,
+      `weight_fn`, `accum_dtype`, `axis_name`, `split`, `unroll`, …).
+      `reduce` is a prefix of `((loss, aux), grads)` (or `(loss, grads)`);
+      `weight_fn(batch)` receives the micro-batch; with `return_stats` the
+      result is `(value_and_grad, stats)`. The argument positions
+      are fixed by the call, so `batch_argnums`, `rng_argnum`,
+      `state_argnum` and `grad_leaves` are not options.
+
+  Returns:
+    `f(params, batch_stats, batch, rng=None, **kwargs)`: the batch is split on
+    axis 0 (every leaf shares the leading size N), `rng` (if given) is
+    folded per micro-batch, keyword arguments go whole to every micro-batch.
+
+  Raises:
+    TypeError: an option fixed by the call is given, the call does not have
+      3 or 4 positional arguments, or `aux` does not hold the new statistics
+      (exactly once) while there are statistics to thread.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaccum.linen
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x, train):
+    ...     x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    ...     return nn.Dense(1)(x)[:, 0]
+    >>> def loss_fn(params, batch_stats, batch):
+    ...   pred, new_model_state = Net().apply(
+    ...     {"params": params, "batch_stats": batch_stats}, batch["x"], train=True,
+    ...     mutable=["batch_stats"])
+    ...   return jnp.mean((pred - batch["y"]) ** 2), (new_model_state, pred)
+    >>> batch = {"x": jnp.arange(24.0).reshape(8, 3), "y": jnp.arange(8.0)}
+    >>> variables = Net().init(jax.random.key(0), batch["x"], train=False)
+    >>> grad_fn = jaccum.linen.value_and_grad(
+    ...   loss_fn, 2, has_aux=True, reduce=(("mean", "concat"), "mean"))
+    >>> (loss, (new_model_state, pred)), grads = jax.jit(grad_fn)(
+    ...   variables["params"], variables["batch_stats"], batch)
+    >>> pred.shape  # one prediction per example, in the batch's order
+    (8,)
+
+    Micro-batch 0 holds rows 0, 2, 4, 6 (mean of x[:, 0]: 9), micro-batch 1
+    rows 1, 3, 5, 7 (mean 12); the running mean takes both, in order:
+
+    >>> new_model_state["batch_stats"]["BatchNorm_0"]["mean"][0]  # ((0 + 9)/2 + 12)/2
+    Array(8.25, dtype=float32)
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
+  options = dict(accumulate_kwargs)
+  for name in _FIXED:
+    if name in options:
+      raise TypeError(
+        f"{name} is not an option of jaccum.linen.value_and_grad: the call "
+        "f(params, batch_stats, batch[, rng]) fixes the positions (batch 2, key 3, "
+        "statistics 1, gradients of params); use jaccum.accumulate for others."
+      )
+  if (weight_fn := options.get("weight_fn")) is not None:
+    if not callable(weight_fn):
+      raise TypeError(f"weight_fn must be callable or None, got {weight_fn!r}.")
+    options["weight_fn"] = lambda params, batch_stats, batch, *key: weight_fn(batch)
+  reduce = options.get("reduce", "mean")
+  grad_leaves = ((False, False), True) if has_aux else (False, True)
+  # Check num_microbatches and the options now rather than at the first call.
+  accumulate(loss_fn, num_microbatches, state_argnum=1, **options)
+
+  def accumulated(params: Any, batch_stats: Any, *args: Any, **kwargs: Any) -> Any:
+    if len(args) not in (1, 2):
+      raise TypeError(
+        "call it as f(params, batch_stats, batch) or f(params, batch_stats, batch, "
+        f"rng), the arguments of loss_fn; got {2 + len(args)} positional arguments."
+      )
+    threads = bool(jax.tree.leaves(batch_stats))
+    slots: list[Any] = []  # where the statistics sat in aux, found when traced
+
+    def step(params, batch_stats, batch, *key, **kwargs):
+      def loss_of(params):
+        return loss_fn(params, batch_stats, batch, *key, **kwargs)
+
+      if not has_aux:
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        return (loss, grads), batch_stats
+      (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+      new_stats, rest = batch_stats, aux
+      if threads:
+        slot, new_stats, rest = _take_stats(aux, batch_stats)
+        slots.append(slot)
+      rows = next((jnp.shape(x)[0] for x in jax.tree.leaves(batch)), 0)
+      _warn_per_example_aux(rest, reduce, rows)
+      return ((loss, rest), grads), new_stats
+
+    run = accumulate(
+      step,
+      num_microbatches,
+      **options,
+      batch_argnums=2,
+      rng_argnum=3 if len(args) == 2 else None,
+      state_argnum=1,
+      grad_leaves=grad_leaves,
+    )
+    result, stats = run(params, batch_stats, *args, **kwargs), None
+    if options.get("return_stats"):
+      result, stats = result
+    out, new_stats = result
+    if has_aux:
+      (loss, rest), grads = out
+      aux = _put_stats(rest, slots[-1], new_stats) if threads else rest
+      out = (loss, aux), grads
+    return out if stats is None else (out, stats)
+
+  return accumulated
