@@ -7,7 +7,9 @@ device over its own rows (`_parallel`), which then combines the devices once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -198,4 +200,11 @@ def accumulate(
       unsharded_meaning=True,
     )
 
+  # No `__wrapped__` (functools.wraps sets it): Equinox follows it from any
+  # function it stores and warns "Possibly assigning a JAX-transformed
+  # callable" when it reaches a module, such as `eqx.filter_value_and_grad`'s.
+  # The signature stays visible to `inspect`.
+  del accumulated.__wrapped__
+  with contextlib.suppress(TypeError, ValueError):  # a builtin has none to show
+    accumulated.__signature__ = inspect.signature(grad_fn)  # pyright: ignore[reportAttributeAccessIssue]
   return accumulated

@@ -84,15 +84,25 @@ def gradient_mask(out_shape: Any, params: Any, grad_leaves: Any, leaves: Any) ->
   mask = jax.tree.map(lambda _: False, out_shape)
   if params is None:
     return mask
-  params_def = jax.tree.structure(params)
-  shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+  # The gradients have the params' structure (jax.grad), or that structure with
+  # None wherever the params hold no floating array (Equinox's filter_grad:
+  # its models hold functions and modules as leaves).
+  differentiable = jax.tree.map(
+    lambda p: (
+      p if isinstance(p, ARRAY_TYPES) and jnp.issubdtype(p.dtype, jnp.inexact) else None
+    ),
+    params,
+  )
+  layouts = [
+    (jax.tree.structure(tree), [np.shape(p) for p in jax.tree.leaves(tree)])
+    for tree in (params, differentiable)
+    if all(isinstance(p, (*ARRAY_TYPES, int, float)) for p in jax.tree.leaves(tree))
+  ]
 
   def is_gradient(node, node_modes):
     leaves, treedef = jax.tree.flatten(node)
-    return (
-      treedef == params_def
-      and [leaf.shape for leaf in leaves] == shapes
-      and all(m in ("mean", "sum") for m in jax.tree.leaves(node_modes))
+    return (treedef, [leaf.shape for leaf in leaves]) in layouts and all(
+      m in ("mean", "sum") for m in jax.tree.leaves(node_modes)
     )
 
   if is_gradient(out_shape, modes):

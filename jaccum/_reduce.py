@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -134,6 +135,25 @@ def plan(
     return Leaf(mode, dtype, carry_dtype, shape.shape)
 
   return jax.tree.map_with_path(leaf_plan, modes, out_shape)
+
+
+def warn_averaged_rows(aux: Any, modes: Any, rows: int, fix: str) -> None:
+  """Warns for each aux leaf with one row per example that is averaged.
+
+  Averaging per-example rows over micro-batches mixes different examples; it
+  is almost never meant. `fix` is the `reduce` tree that keeps them.
+  """
+  for (path, leaf), mode in zip(
+    jax.tree_util.tree_flatten_with_path(aux)[0], jax.tree.leaves(modes), strict=True
+  ):
+    if mode == "mean" and rows > 1 and jnp.shape(leaf)[:1] == (rows,):
+      warnings.warn(
+        f"aux{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, one row per "
+        f"example of the micro-batch of {rows}, and is averaged over micro-batches "
+        f'(reduce="mean"), which mixes different examples\' rows. To keep one row '
+        f'per example in the batch\'s order, give it "concat": {fix}.',
+        stacklevel=3,
+      )
 
 
 def is_plan(x: Any) -> bool:

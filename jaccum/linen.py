@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaccum import _reduce
 from jaccum._accumulate import accumulate
 
 __all__ = ["value_and_grad"]
@@ -76,19 +76,13 @@ def _warn_per_example_aux(rest: Any, reduce: Any, rows: int) -> None:
     modes = jax.tree.broadcast(reduce, ((0.0, rest), 0.0))[0][1]
   except ValueError:
     return  # accumulate names the bad reduce tree
-  for (path, leaf), mode in zip(
-    jax.tree_util.tree_flatten_with_path(rest)[0], jax.tree.leaves(modes), strict=True
-  ):
-    if mode == "mean" and rows > 1 and jnp.shape(leaf)[:1] == (rows,):
-      warnings.warn(
-        f"aux{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, one row per "
-        f"example of the micro-batch of {rows}, and is averaged over micro-batches "
-        f'(reduce="mean"), which mixes different examples\' rows. To keep one row '
-        f'per example in the batch\'s order, pass reduce=(("mean", "concat"), '
-        f'"mean") (loss, aux, grads); the batch_stats in aux are threaded whatever '
-        f"their mode says.",
-        stacklevel=2,
-      )
+  _reduce.warn_averaged_rows(
+    rest,
+    modes,
+    rows,
+    'pass reduce=(("mean", "concat"), "mean") (loss, aux, grads); the '
+    "batch_stats in aux are threaded whatever their mode says",
+  )
 
 
 def value_and_grad(

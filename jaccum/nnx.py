@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaccum import _reduce
 from jaccum._accumulate import accumulate
 
 __all__ = ["grad", "value_and_grad"]
@@ -36,23 +36,6 @@ def _split_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
       "micro-batch; reduce it, e.g. `.mean()`."
     )
   return loss, aux
-
-
-def _warn_per_example_aux(aux: Any, modes: Any, rows: int) -> None:
-  """Warns once per leaf for aux outputs that look per-example but are averaged."""
-  for (path, leaf), mode in zip(
-    jax.tree_util.tree_flatten_with_path(aux)[0], jax.tree.leaves(modes), strict=True
-  ):
-    if mode == "mean" and rows > 1 and jnp.shape(leaf)[:1] == (rows,):
-      warnings.warn(
-        f"aux{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, one row per "
-        f"example of the micro-batch of {rows}, and is averaged over micro-batches "
-        f'(reduce="mean"), which mixes different examples\' rows. To keep one row '
-        f'per example in the batch\'s order, give it "concat": e.g. '
-        f'reduce=(("mean", "concat"), "mean") for value_and_grad(has_aux=True) '
-        f"returning (loss, logits).",
-        stacklevel=6,
-      )
 
 
 # The params reach each micro-step as this keyword argument: whole, device-varying
@@ -181,7 +164,13 @@ def _transform(
           pass  # accumulate names the bad reduce tree
         else:
           aux_modes = modes[0][1] if return_value else modes[1]
-          _warn_per_example_aux(aux, aux_modes, rows)
+          _reduce.warn_averaged_rows(
+            aux,
+            aux_modes,
+            rows,
+            'e.g. reduce=(("mean", "concat"), "mean") for value_and_grad('
+            "has_aux=True) returning (loss, logits)",
+          )
       return out, new_state
 
     batch_slots = [
