@@ -596,3 +596,30 @@ def test_loss_fn_is_traced_once_per_compilation():
   for _ in range(3):
     step(state.params, state.batch_stats, batch, key)
   assert len(traces) == 1
+
+
+def test_return_stats_passes_through_and_measures_the_gradients():
+  model = nn.Sequential(
+    [nn.Dense(8), nn.BatchNorm(use_running_average=False), nn.relu, nn.Dense(1)]
+  )
+  x = jax.random.normal(jax.random.key(0), (32, 4))
+  variables = model.init(jax.random.key(1), x)
+
+  def loss_fn(params, batch_stats, batch):
+    pred, new = model.apply(
+      {"params": params, "batch_stats": batch_stats},
+      batch["x"],
+      mutable=["batch_stats"],
+    )
+    return jnp.mean((pred[:, 0] - batch["y"]) ** 2), new
+
+  step = jax.jit(
+    jaccum.linen.value_and_grad(loss_fn, 4, has_aux=True, return_stats=True)
+  )
+  ((_, new), grads), stats = step(
+    variables["params"], variables["batch_stats"], {"x": x, "y": x.sum(1)}
+  )
+  squared = sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(grads))
+  np.testing.assert_allclose(stats.grad_sq_norm, squared, rtol=1e-5)
+  assert float(stats.total_weight) == 32 and float(stats.microbatch_weight) == 8
+  assert "batch_stats" in new
