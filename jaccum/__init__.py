@@ -7,7 +7,7 @@ from jaccum._fit import MicrobatchFit, fit_microbatches, fit_train_step
 from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
-from jaccum._stats import AccumulationStats
+from jaccum._stats import AccumulationStats, NoiseScaleEMA, NoiseScaleEMAState
 
 __version__ = "0.1.0"
 
@@ -16,6 +16,8 @@ __all__ = [
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",
+  "NoiseScaleEMA",
+  "NoiseScaleEMAState",
   "accumulate",
   "data_parallel",
   "fit_microbatches",
