@@ -376,6 +376,37 @@ def test_inside_shard_map_with_axis_name():
   assert_matches(stats, reference(W_TEST, x, y, None, per_device(64, 2)))
 
 
+def test_fsdp_gradients_count_every_shard():
+  """A reduce-scattered gradient: each device's shard adds to |g_big|²."""
+  mesh = mesh_of(AxisType.Auto)
+  rng = np.random.default_rng(11)
+  x = rng.standard_normal((64, 16), np.float32)
+  y = rng.standard_normal(64, np.float32)
+  w = rng.standard_normal(16, np.float32)
+  step = jaccum.data_parallel(
+    jax.grad(loss),
+    2,
+    mesh=mesh,
+    param_specs=P("data"),
+    batch_argnums=(1, 2),
+    return_stats=True,
+  )
+  grads, stats = jax.jit(step)(w, x, y)
+  assert grads.sharding.spec == P("data")
+  assert_matches(stats, reference(w, x, y, None, per_device(64, 2)))
+
+
+def test_float64_gradients_give_float32_stats():
+  x, y = examples(12, batch_size=64)
+  with jax.enable_x64(True):
+    w, x, y = (np.asarray(a, np.float64) for a in (W_TEST, x, y))
+    step = jaccum.accumulate(jax.grad(loss), 4, batch_argnums=(1, 2), return_stats=True)
+    grads, stats = jax.jit(step)(w, x, y)
+  assert grads.dtype == np.float64
+  assert all(value.dtype == np.float32 for value in stats)
+  assert_matches(stats, reference(w, x, y, None, strided(64, 4)))
+
+
 # --- jaccum.nnx ----------------------------------------------------------------
 
 
