@@ -7,7 +7,10 @@ batches and per-example-mean losses) and K micro-batches, it compiles
 
 * the median step time of each; the two alternate within every round, so
   background load hits them alike, and "ratio" is the median of the per-round
-  ratios (target: at most 1.03);
+  ratios (target: at most 1.03), "min" the ratio of the fastest rounds, and
+  "µs/μstep" what the stats add to each micro-step (the median per-round
+  difference over K): a fixed cost per micro-step, which weighs most when
+  micro-steps are short;
 * XLA's temporary memory of each (`jaccum.inspect.memory`) and the difference,
   next to the params' size: the stats add one scalar to the loop's carry and
   one squared norm per micro-step, never a params-sized buffer (target: the
@@ -72,6 +75,11 @@ def measure(model, num_microbatches, rounds):
     "seconds": {name: float(np.median(t)) for name, t in times.items()},
     "seconds_min": {name: float(np.min(t)) for name, t in times.items()},
     "time_ratio": float(np.median(times["stats"] / times["plain"])),
+    "time_ratio_of_minima": float(times["stats"].min() / times["plain"].min()),
+    # What the stats add to each micro-step, paired by round.
+    "extra_seconds_per_microstep": float(
+      np.median(times["stats"] - times["plain"]) / num_microbatches
+    ),
     "temp_bytes": memory,
     "extra_temp_bytes": memory["stats"] - memory["plain"],
     "extra_temp_over_params": (memory["stats"] - memory["plain"]) / param_bytes,
@@ -81,7 +89,8 @@ def measure(model, num_microbatches, rounds):
 
 def table(results):
   header = (
-    f"{'model':12}{'K':>3} |{'plain':>8}{'stats':>8} ms{'ratio':>7} |"
+    f"{'model':12}{'K':>3} |{'plain':>8}{'stats':>8} ms{'ratio':>7}{'min':>7}"
+    f"{'µs/μstep':>9} |"
     f"{'plain':>8}{'stats':>8} MiB{'extra':>9} B{'params':>8} MiB{'extra/params':>13}"
   )
   lines = [header, "-" * len(header)]
@@ -90,7 +99,9 @@ def table(results):
     s, m = r["seconds"], r["temp_bytes"]
     lines.append(
       f"{r['model']:12}{r['num_microbatches']:>3} |"
-      f"{s['plain'] * 1e3:>8.1f}{s['stats'] * 1e3:>8.1f}   {r['time_ratio']:>7.3f} |"
+      f"{s['plain'] * 1e3:>8.1f}{s['stats'] * 1e3:>8.1f}   {r['time_ratio']:>7.3f}"
+      f"{r['time_ratio_of_minima']:>7.3f}"
+      f"{r['extra_seconds_per_microstep'] * 1e6:>9.0f} |"
       f"{m['plain'] / mib:>8.2f}{m['stats'] / mib:>8.2f}    "
       f"{r['extra_temp_bytes']:>9,}  {r['param_bytes'] / mib:>8.2f}    "
       f"{r['extra_temp_over_params']:>13.4f}"

@@ -26,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaccum
+import jaccum.inspect
 import jaccum.nnx
 
 DIM, SIGMA, DEVICES = 4, 0.5, 8
@@ -374,6 +375,23 @@ def test_inside_shard_map_with_axis_name():
   )
   _, stats = jax.jit(step)(W_TEST, x, y)
   assert_matches(stats, reference(W_TEST, x, y, None, per_device(64, 2)))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_the_stats_ride_in_the_one_all_reduce(kind):
+  """No collective in the loop; the scalars join the gradients' all-reduce."""
+  step = jaccum.data_parallel(
+    jax.grad(token_loss),
+    2,
+    mesh=mesh_of(kind),
+    batch_argnums=(1, 2, 3),
+    weight_fn=num_tokens,
+    return_stats=True,
+  )
+  x, y, mask = sequences(14, num_sequences=32, max_length=6)
+  counts = jaccum.inspect.collectives(jax.jit(step), W_TEST, x, y, mask)
+  assert counts.inside_loops == 0
+  assert counts.outside_loops == counts.all_reduce.outside_loops == 1
 
 
 def test_fsdp_gradients_count_every_shard():
