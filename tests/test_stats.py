@@ -266,57 +266,49 @@ def shard(mesh, *arrays):
   return [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in arrays]
 
 
-def unweighted_case(name):
-  x, y = examples(1, batch_size=64)
-  explicit = mesh_of(AxisType.Explicit)
-  cases = {
-    "strided": (jaccum.accumulate, {}, strided(64, 4), (x, y)),
-    "contiguous": (
-      jaccum.accumulate,
-      {"split": "contiguous"},
-      contiguous(64, 4),
-      (x, y),
-    ),
-    "data_parallel-auto-K2": (
-      jaccum.data_parallel,
-      {"mesh": mesh_of(AxisType.Auto)},
-      per_device(64, 2),
-      (x, y),
-    ),
-    "data_parallel-explicit-K1": (
-      jaccum.data_parallel,
-      {"mesh": explicit},
-      per_device(64, 1),
-      shard(explicit, x, y),
-    ),
-    # Plain accumulate on an explicitly sharded batch: micro-batch k is still
-    # rows k, k+K, … of the batch; each device's share of it is a small batch.
-    "accumulate-explicit-sharded-K2": (
-      jaccum.accumulate,
-      {},
-      per_device(64, 2),
-      shard(explicit, x, y),
-    ),
-  }
-  make, options, groups, batch = cases[name]
-  num_microbatches = len(groups) // (DEVICES if make is jaccum.data_parallel else 1)
-  if name.startswith("accumulate-explicit"):
-    num_microbatches = 2
-  return make, num_microbatches, options, groups, batch, (x, y)
+# name: (make, K, options, micro-batches as row groups, whether to shard the batch)
+UNWEIGHTED = {
+  "strided": (jaccum.accumulate, 4, {}, strided(64, 4), False),
+  "contiguous": (
+    jaccum.accumulate,
+    4,
+    {"split": "contiguous"},
+    contiguous(64, 4),
+    False,
+  ),
+  "data_parallel-auto-K2": (
+    jaccum.data_parallel,
+    2,
+    {"mesh": AxisType.Auto},
+    per_device(64, 2),
+    False,
+  ),
+  "data_parallel-explicit-K1": (
+    jaccum.data_parallel,
+    1,
+    {"mesh": AxisType.Explicit},
+    per_device(64, 1),
+    True,
+  ),
+  # Plain accumulate on an explicitly sharded batch: micro-batch k is still
+  # rows k, k+K, … of the batch; each device's share of it is a small batch.
+  "accumulate-explicit-sharded-K2": (
+    jaccum.accumulate,
+    2,
+    {},
+    per_device(64, 2),
+    True,
+  ),
+}
 
 
-@pytest.mark.parametrize(
-  "name",
-  [
-    "strided",
-    "contiguous",
-    "data_parallel-auto-K2",
-    "data_parallel-explicit-K1",
-    "accumulate-explicit-sharded-K2",
-  ],
-)
+@pytest.mark.parametrize("name", list(UNWEIGHTED))
 def test_figures_are_those_of_the_micro_batches(name):
-  make, num_microbatches, options, groups, batch, (x, y) = unweighted_case(name)
+  make, num_microbatches, options, groups, sharded = UNWEIGHTED[name]
+  if "mesh" in options:
+    options = {"mesh": mesh_of(options["mesh"])}
+  x, y = examples(1, batch_size=64)
+  batch = shard(mesh_of(AxisType.Explicit), x, y) if sharded else (x, y)
   step = make(
     jax.grad(loss), num_microbatches, batch_argnums=(1, 2), return_stats=True, **options
   )
