@@ -8,7 +8,7 @@ from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 from jaccum._pipeline import pipeline
-from jaccum._stats import AccumulationStats
+from jaccum._stats import AccumulationStats, NoiseScaleEMA, NoiseScaleEMAState
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,8 @@ __all__ = [
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",
+  "NoiseScaleEMA",
+  "NoiseScaleEMAState",
   "accumulate",
   "data_parallel",
   "fit_microbatches",

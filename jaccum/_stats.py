@@ -16,6 +16,7 @@ nonzero weight: the small batch size is `B_small = W / K'`, and `B_big = W`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +39,30 @@ class AccumulationStats(NamedTuple):
     total_weight: `B_big`, the step's batch size `W`.
     microbatch_weight: `B_small = W / K'`, the mean weight of the micro-batches
       that had any (NaN figures come from fewer than two of them).
+
+  Examples:
+    Linear regression `y = x·w* + 0.5 ε` with Gaussian `x` in 4 dimensions and
+    the loss `0.5 mean((x·w - y)²)`: at `w = 0`, `G = -w*` and
+    `tr(Σ) = (d + 1) |w*|² + 0.5² d`, so with `w* = (1, 1, 1, 1)` the truth is
+    `|G|² = 4`, `tr(Σ) = 21`, `B_simple = 5.25`.
+
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> def loss(w, x, y):
+    ...   return 0.5 * jnp.mean((x @ w - y) ** 2)
+    >>> kx, ky = jax.random.split(jax.random.key(0))
+    >>> x = jax.random.normal(kx, (4096, 4))
+    >>> y = x @ jnp.ones(4) + 0.5 * jax.random.normal(ky, (4096,))
+    >>> step = jaccum.accumulate(
+    ...   jax.grad(loss), 64, batch_argnums=(1, 2), return_stats=True
+    ... )
+    >>> grads, stats = jax.jit(step)(jnp.zeros(4), x, y)
+    >>> float(stats.total_weight), float(stats.microbatch_weight)
+    (4096.0, 64.0)
+    >>> bool(jnp.isclose(stats.grad_sq_norm, jnp.sum(grads**2)))
+    True
+    >>> s = stats
+    >>> print(f"{s.true_grad_sq_norm:.1f} {s.trace_covariance:.0f} {s.noise_scale:.0f}")
+    4.3 22 5
   """
 
   micro_grad_sq_norm: jax.Array
@@ -50,13 +75,18 @@ class AccumulationStats(NamedTuple):
 
 
 def sq_norm(tree: Any, mask: Any) -> jax.Array:
-  """The squared norm, in float32 at least, of the leaves of `tree` where `mask`."""
+  """The squared norm of the leaves of `tree` where `mask`, as a float32 scalar.
+
+  Each leaf is squared and summed in float32 or wider (bfloat16 gradients are
+  not summed in bfloat16, float64 ones stay float64); the result is float32
+  whatever the leaves, as the loop's scalar carry and `AccumulationStats` are.
+  """
   terms = [
     jnp.sum(
       jnp.square(
         jnp.asarray(x).astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
       )
-    )
+    ).astype(jnp.float32)
     for x, on in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True)
     if on
   ]
@@ -92,3 +122,116 @@ def estimate(
     total_weight=total,
     microbatch_weight=b_small,
   )
+
+
+class NoiseScaleEMAState(NamedTuple):
+  """State of `NoiseScaleEMA`: the smoothed estimates, bias-corrected.
+
+  Attributes:
+    count: int32, the steps averaged so far (steps with a non-finite estimate
+      are skipped and not counted).
+    true_grad_sq_norm: float32, the average of the `|G|²` estimates, each
+      weighing `decay` times the one after it (0 before the first step).
+    trace_covariance: float32, the same average of the `tr(Σ)` estimates.
+  """
+
+  count: jax.Array
+  true_grad_sq_norm: jax.Array
+  trace_covariance: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseScaleEMA:
+  """Smooths `|G|²` and `tr(Σ)` separately over steps; their ratio is `B_simple`.
+
+  One step's estimates are noisy, `|G|²`'s especially (it can come out
+  negative), so McCandlish et al. average each over steps with an exponential
+  moving average and take the ratio of the averages, never the average of the
+  ratios. The averages are bias-corrected as in Adam: after `t` steps each is
+  `Σ_s decay^(t-s) x_s / Σ_s decay^(t-s)`, so the first steps are not pulled
+  towards the zero it starts from. A step whose estimates are not finite
+  (fewer than two micro-batches of nonzero weight) is skipped.
+
+  Pure and jit-able, like an optax transformation: `init()` gives a
+  `NoiseScaleEMAState` of three scalars, to keep beside the optimizer state
+  and save in the same checkpoint.
+
+  Attributes:
+    decay: the weight of the past, in [0, 1): about `1 / (1 - decay)` steps are
+      averaged. 0 keeps the last step only.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> def loss(w, x, y):  # at w = 0 the truth is B_simple = 21 / 4 = 5.25
+    ...   return 0.5 * jnp.mean((x @ w - y) ** 2)
+    >>> step = jax.jit(jaccum.accumulate(
+    ...   jax.grad(loss), 8, batch_argnums=(1, 2), return_stats=True
+    ... ))
+    >>> ema = jaccum.NoiseScaleEMA(decay=0.95)
+    >>> state = ema.init()
+    >>> for key in jax.random.split(jax.random.key(0), 100):
+    ...   kx, ky = jax.random.split(key)
+    ...   x = jax.random.normal(kx, (512, 4))
+    ...   y = x @ jnp.ones(4) + 0.5 * jax.random.normal(ky, (512,))
+    ...   grads, stats = step(jnp.zeros(4), x, y)
+    ...   state, noise_scale = ema.update(state, stats)
+    >>> int(state.count)
+    100
+    >>> bool(4 < noise_scale < 7)
+    True
+  """
+
+  decay: float = 0.99
+
+  def __post_init__(self) -> None:
+    if isinstance(self.decay, bool) or not isinstance(self.decay, int | float):
+      raise TypeError(f"decay must be a float in [0, 1), got {self.decay!r}.")
+    if not 0 <= self.decay < 1:
+      raise ValueError(
+        f"decay must be a number in [0, 1), got {self.decay!r}; e.g. 0.99 "
+        "averages about the last 100 steps."
+      )
+
+  def init(self) -> NoiseScaleEMAState:
+    """The state before any step: nothing averaged yet."""
+    zero = jnp.zeros((), jnp.float32)
+    return NoiseScaleEMAState(jnp.zeros((), jnp.int32), zero, zero)
+
+  def update(
+    self, state: NoiseScaleEMAState, stats: AccumulationStats
+  ) -> tuple[NoiseScaleEMAState, jax.Array]:
+    """Adds one step's estimates.
+
+    Args:
+      state: the state so far, from `init` or the last `update`.
+      stats: the step's `AccumulationStats`.
+
+    Returns:
+      `(new_state, noise_scale)`: `noise_scale` is the smoothed `B_simple`,
+      `trace_covariance / true_grad_sq_norm` of the new state, in the batch
+      size units of `stats`. It is `inf` while the smoothed `|G|²` is not
+      positive (the noise hides the gradient: the noise scale is larger than
+      these steps can measure), NaN before any finite step.
+    """
+    grad_sq = jnp.asarray(stats.true_grad_sq_norm, jnp.float32)
+    trace = jnp.asarray(stats.trace_covariance, jnp.float32)
+    finite = jnp.isfinite(grad_sq) & jnp.isfinite(trace)
+    count = state.count + finite.astype(jnp.int32)
+    # The bias-corrected EMA, updated in place: m_t = m_{t-1} + r_t (x_t - m_{t-1})
+    # with r_t = (1 - decay) / (1 - decay^t) equals Adam's m_t / (1 - decay^t).
+    rate = (1 - self.decay) / (1 - jnp.float32(self.decay) ** count.astype(jnp.float32))
+    rate = jnp.where(finite, rate, 0)
+    move = lambda old, new: old + rate * (jnp.where(finite, new, old) - old)
+    new_state = NoiseScaleEMAState(
+      count, move(state.true_grad_sq_norm, grad_sq), move(state.trace_covariance, trace)
+    )
+    return new_state, noise_scale(new_state)
+
+
+def noise_scale(state: NoiseScaleEMAState) -> jax.Array:
+  """`B_simple` from smoothed estimates: inf if `|G|²` is not positive, NaN if none."""
+  grad_sq, trace = state.true_grad_sq_norm, state.trace_covariance
+  ratio = trace / jnp.where(grad_sq > 0, grad_sq, 1)
+  return jnp.where(
+    state.count == 0, jnp.nan, jnp.where(grad_sq > 0, ratio, jnp.inf)
+  ).astype(jnp.float32)
