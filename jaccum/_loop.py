@@ -271,6 +271,22 @@ def scan(
         "grad_fn's output, its first or its second element has the structure and "
         "shapes of the params (the first non-batch argument); pass grad_leaves."
       )
+    summed = [
+      leaf.mode
+      for leaf, on in zip(
+        jax.tree.leaves(leaves, is_leaf=_reduce.is_plan),
+        jax.tree.leaves(grad_mask),
+        strict=True,
+      )
+      if on and leaf.mode != "mean"
+    ]
+    if summed:
+      raise ValueError(
+        f"return_stats=True measures gradients that are means over each "
+        f"micro-batch's examples (or weight units): the gradient leaves must be "
+        f'reduced with "mean", got {sorted(set(summed))}. For a summed loss, '
+        f"divide it by the batch size (or mark the gradients with grad_leaves)."
+      )
     stats0 = (_reduce.zeros(jnp.float32), _reduce.zeros(jnp.float32))
     if axes is not None:
       stats0 = _collective.cast_varying(stats0, axes)
@@ -284,6 +300,8 @@ def scan(
       *(x for x, d in zip(values, dynamic, strict=True) if d),
     )
     out, state, weight = jax.tree.unflatten(out_tree, flat_out)
+    # A weight_fn returning a Python number (len(x)) comes back as a literal.
+    weight = None if weight is None else jnp.asarray(weight)
     if weight is not None:
       total = total + weight.astype(total.dtype)
     acc = _reduce.update(leaves, acc, out, index, weight, total)

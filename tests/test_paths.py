@@ -523,3 +523,9 @@ def test_a_sharding_given_only_by_in_shardings_is_invisible_to_accumulate():
     assert_trees_close(parallel(w, x), WHOLE, rtol=1e-5)
     assert jaccum.inspect.collectives(plain, w, x).inside_loops >= 1
     assert jaccum.inspect.collectives(parallel, w, x).inside_loops == 0
+
+
+def test_weight_fn_may_return_a_python_number():
+  """len(x) or x.shape[0]: a literal in the traced program, still a weight."""
+  got = jaccum.accumulate(jax.grad(loss), 4, weight_fn=lambda w, x: x.shape[0])(W, X)
+  assert_trees_close(got, WHOLE, rtol=1e-5)

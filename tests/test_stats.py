@@ -614,3 +614,11 @@ def test_ema_state_goes_through_a_checkpoint(tmp_path):
 def test_ema_decay_must_be_in_0_1(decay, error):
   with pytest.raises(error, match="decay"):
     jaccum.NoiseScaleEMA(decay=decay)
+
+
+def test_summed_gradient_leaves_are_refused():
+  """The estimator needs per-example means; a "sum" gradient is W times one."""
+  summed = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+  w, x = jnp.ones(3), jnp.ones((8, 3))
+  with pytest.raises(ValueError, match=r'must be reduced with "mean", got \[\'sum\'\]'):
+    jaccum.accumulate(jax.grad(summed), 2, reduce="sum", return_stats=True)(w, x)
