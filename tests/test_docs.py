@@ -76,15 +76,15 @@ def _public_members(cls: type) -> list[str]:
   ]
 
 
-@pytest.mark.parametrize(
-  "qualified_name",
-  [
-    pytest.param(name, marks=pytest.mark.xfail(reason=PENDING_EXAMPLES[name], strict=True))
-    if name in PENDING_EXAMPLES
-    else name
-    for name in PUBLIC_NAMES
-  ],
-)
+def _with_pending_marks(names: list[str]) -> list:
+  pending = lambda name: pytest.mark.xfail(reason=PENDING_EXAMPLES[name], strict=True)
+  return [
+    pytest.param(name, marks=pending(name)) if name in PENDING_EXAMPLES else name
+    for name in names
+  ]
+
+
+@pytest.mark.parametrize("qualified_name", _with_pending_marks(PUBLIC_NAMES))
 def test_public_name_has_docstring_and_example(qualified_name):
   obj = _resolve(qualified_name)
   doc = inspect.getdoc(obj) or ""
