@@ -40,8 +40,11 @@ myst_enable_extensions = ["colon_fence", "dollarmath"]
 default_role = "code"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
-# Attributes as a field list, so NamedTuple fields are not documented twice.
+# Attributes as a field list, so NamedTuple fields are not documented twice;
+# their docstrings say the types in words (annotations read `jax.Array` as
+# `jax.jaxlib._jax.Array`).
 napoleon_use_ivar = True
+napoleon_attr_annotations = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
