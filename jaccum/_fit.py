@@ -39,6 +39,26 @@ class MicrobatchFit(NamedTuple):
     tried: `{K: peak bytes}` for every K compiled, in the order compiled.
     memory_budget: the budget in bytes per device.
     stats: `{K: jaccum.inspect.MemoryStats}`, the figures behind each peak.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+    >>> w = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+    >>> x = jax.ShapeDtypeStruct((1024, 64), jnp.float32)
+    >>> fit = jaccum.fit_microbatches(
+    ...   jax.grad(loss), w, x, memory_budget=2**20, candidates=[2, 8, 32])
+    >>> fit.num_microbatches, list(fit.tried)  # compiled 2, then 32, then 8
+    (8, [2, 32, 8])
+    >>> fit.peak_bytes == fit.tried[8] <= fit.memory_budget < fit.tried[2]
+    True
+    >>> fit.stats[8].argument_bytes  # w and x, float32
+    393216
+    >>> print(fit)
+    memory budget 1.00 MiB per device: K=8, peak ... (...% of the budget)
+     K  order   arguments     outputs  temporaries  aliased        peak
+     2      1  384.00 KiB  128.00 KiB  ...   over
+     8      3  384.00 KiB  128.00 KiB  ... chosen
+    32      2  384.00 KiB  128.00 KiB  ...   fits
   """
 
   num_microbatches: int
@@ -299,7 +319,7 @@ def fit_microbatches(
 
   Compiles `jax.jit(accumulate(grad_fn, K, **accumulate_kwargs))` for the
   arguments and reads XLA's memory figures; it never runs the step, so the
-  arguments may be `jax.ShapeDtypeStruct`s. Where memory falls as K grows it
+  arguments may be `jax.ShapeDtypeStruct` objects. Where memory falls as K grows it
   compiles O(log n) of the n candidates (at most ⌈log2 n⌉ + 2); where the
   figures it compiled show memory rising with K, it compiles the remaining
   candidates in increasing order up to the first that fits.
@@ -311,7 +331,7 @@ def fit_microbatches(
   Args:
     grad_fn: as for `accumulate`.
     *args: `grad_fn`'s positional arguments, as arrays or
-      `jax.ShapeDtypeStruct`s (with a sharding, for a sharded batch).
+      `jax.ShapeDtypeStruct` objects (with a sharding, for a sharded batch).
     memory_budget: bytes per device (an int), or a fraction in (0, 1] of the
       device's memory where the backend reports it
       (`device.memory_stats()["bytes_limit"]`, e.g. on GPU and TPU).
@@ -389,7 +409,7 @@ def fit_train_step(
   Args:
     make_step: `make_step(K) -> step`, with `step(*args)` the train step.
     *args: the step's positional arguments, as arrays or
-      `jax.ShapeDtypeStruct`s (e.g. `jax.eval_shape(optimizer.init, params)`).
+      `jax.ShapeDtypeStruct` objects (e.g. `jax.eval_shape(optimizer.init, params)`).
     memory_budget: as for `fit_microbatches`: bytes per device, or a fraction
       of the device's memory.
     batch_size: the rows the step splits into K micro-batches (per device,

@@ -46,6 +46,22 @@ class MultiStepsState(NamedTuple):
     emitted: bool, whether the call that returned this state applied the inner
       optimizer (what `MultiSteps.has_updated` reads).
     num_skipped: int32, the mini-steps `should_skip_update_fn` has rejected.
+
+  Examples:
+    A state that `optax.MultiSteps` left half-way through a window continues:
+
+    >>> import jax.numpy as jnp, optax, jaccum
+    >>> params = {"w": jnp.zeros(2)}
+    >>> optax_opt = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    >>> optax_state = optax_opt.init(params)
+    >>> _, optax_state = optax_opt.update({"w": jnp.ones(2)}, optax_state, params)
+    >>> state = jaccum.MultiStepsState(*optax_state)
+    >>> int(state.mini_step), state.acc_weight is None
+    (1, True)
+    >>> opt = jaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    >>> updates, state = opt.update({"w": jnp.full(2, 3.0)}, state, params)
+    >>> print(updates["w"], int(state.gradient_step), bool(state.emitted))
+    [-0.2 -0.2] 1 True
   """
 
   mini_step: jax.Array
@@ -499,6 +515,24 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     ...   updates, state = chained.update({"w": jnp.full(2, g)}, state, weight=w)
     >>> print(updates["w"])
     [-0.25 -0.25]
+
+  Methods:
+    init(params): Returns the `MultiStepsState` before the first mini-step:
+      an empty window at gradient step 0. Every params-shaped leaf of the
+      state has its param's sharding and device.
+    update(updates, state, params=None, *, weight=None, **extra_args): Adds
+      one mini-step's gradients `updates` to the window and returns
+      `(updates, new_state)`: the inner optimizer's updates on the call that
+      ends a window, exact zeros of the same dtypes on every other call.
+      `state` comes from `init` or the previous `update` (or is
+      `jaccum.MultiStepsState(*optax_state)`, to continue an
+      `optax.MultiSteps` state exactly); `params` go to the inner optimizer.
+      `weight` is this mini-step's weight, e.g. its number of real tokens:
+      the window's gradient is `Σ w·g / Σ w` (a total of 0 gives zeros), and
+      a weight of 0 contributes nothing, even if `updates` is NaN; a concrete
+      weight must be finite and >= 0. `extra_args` reach the inner optimizer
+      on the emitting call. Called outside `jit`, it runs through one cached
+      `jit` of its own.
   """
 
   _window: _MultiSteps
@@ -525,14 +559,54 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
-    """The wrapped optimizer, with extra-argument support."""
+    """The wrapped optimizer, with extra-argument support.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaccum
+      >>> opt = jaccum.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+      >>> state = opt.init({"w": jnp.zeros(3)})
+      >>> inner_state = opt.inner_opt.init({"w": jnp.zeros(3)})
+      >>> type(state.inner_opt_state) == type(inner_state)
+      True
+    """
     return self._window.opt
 
   def has_updated(self, state: MultiStepsState) -> jax.Array:
-    """Whether the call that returned `state` applied the inner optimizer."""
+    """Whether the call that returned `state` applied the inner optimizer.
+
+    A bool scalar array: true exactly on the calls that returned the inner
+    optimizer's updates, false after a call that only accumulated or that
+    `should_skip_update_fn` skipped.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaccum
+      >>> opt = jaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=3)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = opt.init(params)
+      >>> emitted = []
+      >>> for _ in range(6):
+      ...   _, state = opt.update({"w": jnp.ones(2)}, state, params)
+      ...   emitted.append(bool(opt.has_updated(state)))
+      >>> emitted
+      [False, False, True, False, False, True]
+    """
     return jnp.asarray(state.emitted)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
-    """Returns `(init, update)` as a plain optax transformation (as optax does);
-    a `MultiSteps` is one already."""
+    """Returns `(init, update)` as a plain optax transformation (as optax does).
+
+    A `MultiSteps` is one already; this is for code written for
+    `optax.MultiSteps`, whose instances are not.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaccum
+      >>> opt = jaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+      >>> tx = opt.gradient_transformation()
+      >>> isinstance(tx, optax.GradientTransformationExtraArgs)
+      True
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> updates, state = tx.update({"w": jnp.ones(2)}, state)
+      >>> int(state.mini_step)
+      1
+    """
     return optax.GradientTransformationExtraArgs(self.init, self.update)

@@ -51,14 +51,12 @@ def pipeline(
 ) -> Callable[[Any, Any], Any]:
   """Runs S stages of a model as a pipeline over K micro-batches.
 
-  `f = pipeline(stage_fn, K, mesh=mesh)` computes, in exact arithmetic,
+  `f = pipeline(stage_fn, K, mesh=mesh)` computes, in exact arithmetic::
 
-  ```python
-  def f(stage_params, x):
-    for s in range(S):  # S = mesh.shape[axis]
-      x = stage_fn(jax.tree.map(lambda p: p[s], stage_params), x)
-    return x
-  ```
+    def f(stage_params, x):
+      for s in range(S):  # S = mesh.shape[axis]
+        x = stage_fn(jax.tree.map(lambda p: p[s], stage_params), x)
+      return x
 
   but stage s runs only on the devices at position s of `axis`, keeps its
   parameters there, and works on K micro-batches one after another. Only

@@ -42,6 +42,21 @@ class Count(NamedTuple):
     inside_loops: in a while loop's body or condition, or in a computation
       they call: it runs once per iteration.
     outside_loops: everywhere else.
+
+  Examples:
+    `data_parallel` runs no collective inside its loop and one all-reduce
+    after it:
+
+    >>> import jax, jax.numpy as jnp, jaccum, jaccum.inspect
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> step = jax.jit(jaccum.data_parallel(jax.grad(loss), 4, mesh=mesh))
+    >>> x = jnp.ones((8 * jax.device_count(), 2))
+    >>> count = jaccum.inspect.collectives(step, jnp.ones(2), x).all_reduce
+    >>> count
+    Count(inside_loops=0, outside_loops=1)
+    >>> count.inside_loops
+    0
   """
 
   inside_loops: int
@@ -52,7 +67,27 @@ class CollectiveCounts(NamedTuple):
   """Collectives in a compiled program, by kind, inside loops and outside.
 
   Counts are of instructions in the optimised HLO: a loop that XLA unrolled
-  shows its collectives repeated outside loops.
+  shows its collectives repeated outside loops. Fields are `Count`s, one per
+  kind; `print` it for a table.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum, jaccum.inspect
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> step = jax.jit(jaccum.data_parallel(jax.grad(loss), 4, mesh=mesh))
+    >>> x = jnp.ones((8 * jax.device_count(), 2))
+    >>> counts = jaccum.inspect.collectives(step, jnp.ones(2), x)
+    >>> counts.all_reduce, counts.all_gather
+    (Count(inside_loops=0, outside_loops=1), Count(inside_loops=0, outside_loops=0))
+    >>> counts.inside_loops, counts.outside_loops  # all kinds together
+    (0, 1)
+    >>> print(counts)
+    collective          inside loops  outside loops
+    all-reduce                     0              1
+    reduce-scatter                 0              0
+    all-gather                     0              0
+    all-to-all                     0              0
+    collective-permute             0              0
   """
 
   all_reduce: Count
@@ -91,6 +126,19 @@ class MemoryStats(NamedTuple):
     generated_code_bytes: the compiled code.
     peak_bytes: the backend's own peak figure, or None where it gives none
       (on CPU it leaves temporaries out).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaccum.inspect
+    >>> stats = jaccum.inspect.memory(lambda x: jnp.sin(x) * 2, jnp.ones(256))
+    >>> stats.argument_bytes, stats.output_bytes  # 256 float32 in, 256 out
+    (1024, 1024)
+    >>> print(stats)
+    temp            ... B
+    argument                 1,024 B
+    output                   1,024 B
+    alias                        0 B
+    generated code  ...
+    peak            ...
   """
 
   temp_bytes: int
@@ -174,7 +222,7 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Collective
 
   Args:
     fn: a function, jitted or not; jit it yourself to mark static arguments.
-    *args: the arguments, as arrays or `jax.ShapeDtypeStruct`s.
+    *args: the arguments, as arrays or `jax.ShapeDtypeStruct` objects.
     **kwargs: keyword arguments, likewise.
 
   Returns:
@@ -208,7 +256,7 @@ def memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryStats:
 
   Args:
     fn: a function, jitted or not; jit it yourself to mark static arguments.
-    *args: the arguments, as arrays or `jax.ShapeDtypeStruct`s.
+    *args: the arguments, as arrays or `jax.ShapeDtypeStruct` objects.
     **kwargs: keyword arguments, likewise.
 
   Returns:
