@@ -7,7 +7,6 @@ Build it strictly, as CI does:
   python -m sphinx -W --keep-going -b html docs docs/_build/html
 """
 
-import importlib.util
 import pathlib
 import sys
 
@@ -58,18 +57,3 @@ html_theme_options = {
   "home_page_in_toc": True,
   "show_navbar_depth": 1,
 }
-
-# Pages whose module is not in this checkout yet: `jaccum.linen` arrives with
-# its own branch. Its reference page is kept, but until the module imports, the
-# page says so instead of failing the strict build on a missing import.
-_PENDING_MODULES = {"api/linen": "jaccum.linen"}
-
-
-def _pending_module_page(app, docname, source):
-  module = _PENDING_MODULES.get(docname)
-  if module and importlib.util.find_spec(module) is None:
-    source[0] = f"# `{module}`\n\nThe reference for `{module}` comes with the module.\n"
-
-
-def setup(app):
-  app.connect("source-read", _pending_module_page)

@@ -449,9 +449,9 @@ def data_parallel(
     mesh: the device mesh; defaults to the mesh set with `jax.set_mesh`, else
       the mesh of the batch's sharding.
     axis: the mesh axis (or axes) the batch is split over.
-    param_specs: `PartitionSpec`s for the first argument (a pytree prefix of
-      it), naming only `axis`, for FSDP; `None` replicates it (or, on an
-      explicit mesh, reads its sharding).
+    param_specs: a `PartitionSpec` per leaf of the first argument (or a pytree
+      prefix of it), naming only `axis`, for FSDP; `None` replicates it (or,
+      on an explicit mesh, reads its sharding).
     **accumulate_kwargs: any other option of `accumulate` (`batch_argnums`,
       `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …).
 

@@ -67,7 +67,7 @@ class CollectiveCounts(NamedTuple):
   """Collectives in a compiled program, by kind, inside loops and outside.
 
   Counts are of instructions in the optimised HLO: a loop that XLA unrolled
-  shows its collectives repeated outside loops. Fields are `Count`s, one per
+  shows its collectives repeated outside loops. Fields are `Count` values, one per
   kind; `print` it for a table.
 
   Examples:

@@ -129,7 +129,7 @@ def value_and_grad(
   Under `pmap` (or `shard_map`) pass `axis_name`: the gradients and the loss
   are then combined over devices once, after the loop, and the statistics
   are averaged over devices as Flax's examples do with `lax.pmean`; both
-  `pmean`s of the example become redundant.
+  `pmean` calls of the example become redundant.
 
   Args:
     loss_fn: `loss_fn(params, batch_stats, batch, rng, **kwargs)`, or without

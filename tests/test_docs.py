@@ -24,13 +24,8 @@ import jaccum
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-# Modules whose __all__ is public API; jaccum.linen joins once it exists.
+# Modules whose __all__ is public API.
 MODULES = ["jaccum", "jaccum.inspect", "jaccum.nnx", "jaccum.linen"]
-# Public names whose example comes with work on another branch: the strict
-# xfail turns into a failure once the example is there, so this entry goes.
-PENDING_EXAMPLES = {
-  "jaccum.AccumulationStats": "its example comes with the noise-scale guide",
-}
 PAGE_TIMEOUT_S = 300
 
 
@@ -76,15 +71,7 @@ def _public_members(cls: type) -> list[str]:
   ]
 
 
-def _with_pending_marks(names: list[str]) -> list:
-  pending = lambda name: pytest.mark.xfail(reason=PENDING_EXAMPLES[name], strict=True)
-  return [
-    pytest.param(name, marks=pending(name)) if name in PENDING_EXAMPLES else name
-    for name in names
-  ]
-
-
-@pytest.mark.parametrize("qualified_name", _with_pending_marks(PUBLIC_NAMES))
+@pytest.mark.parametrize("qualified_name", PUBLIC_NAMES)
 def test_public_name_has_docstring_and_example(qualified_name):
   obj = _resolve(qualified_name)
   doc = inspect.getdoc(obj) or ""
