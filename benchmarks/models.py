@@ -150,6 +150,9 @@ class Spec(NamedTuple):
     quick_ks: of a `--quick` run.
     description: one line for tables and plots.
     quick_options: keyword arguments of `make` in a `--quick` run.
+    quick_methods: the methods a `--quick` run measures (None: all). CI's
+      run takes every method through the MLP, and every model through the
+      whole batch and jaccum: each piece of code runs once, in little time.
   """
 
   make: Callable[[nnx.Rngs], nnx.Module]
@@ -161,6 +164,7 @@ class Spec(NamedTuple):
   quick_ks: tuple[int, ...]
   description: str
   quick_options: dict[str, Any] | None = None
+  quick_methods: tuple[str, ...] | None = None
 
 
 MODELS = {
@@ -183,6 +187,7 @@ MODELS = {
     (1, 2, 4, 8, 16, 32),
     (4,),
     "CNN conv32-conv64-dense256 on 28x28 images",
+    quick_methods=("whole", "jaccum"),
   ),
   "lm": Spec(
     LM,
@@ -194,6 +199,7 @@ MODELS = {
     (4,),
     "transformer LM d=128, 64 bytes",
     {"depth": 1},
+    ("whole", "jaccum"),
   ),
 }
 

@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
 from benchmarks import _record
 
@@ -70,6 +71,15 @@ def plot_sweep(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
       ax.set_xscale("log", base=2)
       if log:
         ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        # Over more than a decade, label only the 2s and 5s between powers of 10.
+        shown = "25" if high / low > 5 else "123456789"
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(
+          ticker.FuncFormatter(
+            lambda v, _, shown=shown: f"{v:g}" if f"{v:g}"[0] in shown else ""
+          )
+        )
       ax.set_xlabel("micro-batches K (same effective batch)")
       ax.set_ylabel(label)
       ax.set_title(f"{model['description']}\nbatch {model['batch_size']}", fontsize=10)

@@ -215,6 +215,8 @@ def precision_section(precision: dict[str, Any]) -> str:
 
 
 def distributed_section(distributed: dict[str, Any]) -> str:
+  if "skipped" in distributed:
+    return f"## Distributed\n\nSkipped: {distributed['skipped']}."
   rows = [
     [
       r["K"],

@@ -95,10 +95,12 @@ def run_model(name: str, quick: bool, rounds: int) -> dict[str, Any]:
   for num_microbatches in spec.quick_ks if quick else spec.ks:
     # Every method is built afresh at every K, those that do not depend on K
     # too: their first steps then meet the same load as the others'.
+    wanted = (quick and spec.quick_methods) or tuple(methods.METHODS)
     built = {
       method_name: method
       for method_name, make in methods.METHODS.items()
-      if (method := make(model, num_microbatches, tx)) is not None
+      if method_name in wanted
+      and (method := make(model, num_microbatches, tx)) is not None
     }
     firsts = first_steps(built, model.batch, quick)
     states = {method_name: state for method_name, (state, _) in firsts.items()}
