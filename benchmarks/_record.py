@@ -1,51 +1,57 @@
-"""What every benchmark records beside its numbers: the machine, the load, when."""
+"""What every result records beside its numbers: the machine, the versions, when."""
+
+from __future__ import annotations
 
 import datetime
-import json
 import os
-import pathlib
 import platform
+from typing import Any
 
+import flax
 import jax
 import optax
 
 import jaccum
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 
-
-def machine() -> dict:
+def machine() -> dict[str, Any]:
   cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
       cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
   except (OSError, StopIteration):
     pass
+  devices = jax.devices()
   return {
     "cpu": cpu,
     "cores": os.cpu_count(),
     "backend": jax.default_backend(),
-    "devices": [str(d) for d in jax.devices()],
+    "device_kind": devices[0].device_kind,
+    "devices": [str(d) for d in devices],
     "python": platform.python_version(),
     "jax": jax.__version__,
     "jaxlib": jax.lib.__version__,
+    "flax": flax.__version__,
     "optax": optax.__version__,
     "jaccum": jaccum.__version__,
   }
 
 
-def save(out: pathlib.Path, load_before: float, **record) -> None:
-  """Writes `record` with the date, the machine and the load around the run.
+def now() -> str:
+  return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
-  The 1-minute load average before and after says how much other work shared
-  the machine: ratios are measured side by side, single timings are not.
-  """
-  out.parent.mkdir(parents=True, exist_ok=True)
-  record = {
-    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": machine(),
-    "load_average": [load_before, os.getloadavg()[0]],
-    **record,
-  }
-  out.write_text(json.dumps(record, indent=2) + "\n")
-  print(f"\nsaved {out}")
+
+def load() -> float:
+  """The 1-minute load average: how much other work shares the machine."""
+  return os.getloadavg()[0]
+
+
+def caption(record: dict[str, Any]) -> str:
+  """One line naming the machine, the versions and the date of a suite record."""
+  m = record["machine"]
+  device = m["cpu"] if m["backend"] == "cpu" else m["device_kind"]
+  return (
+    f"{device} ({m['backend']}, {m['cores']} cores), jax {m['jax']}, "
+    f"flax {m['flax']}, optax {m['optax']}, jaccum {m['jaccum']}, "
+    f"{record['date'][:10]}{', --quick' if record['quick'] else ''}"
+  )

@@ -24,20 +24,14 @@ accumulate and of the call that ends a window, XLA's temporary memory
 ops left in the compiled step. All variants must agree on the params after a
 window before their times mean anything.
 
-    python benchmarks/multisteps.py              # about 2 minutes on 2 CPU cores
-    python benchmarks/multisteps.py --quick      # smaller models, 2 rounds: ~25 s
-    python benchmarks/multisteps.py --no-donate  # nothing donated
-
-The table is printed and saved as JSON under benchmarks/results/.
+Run it as part of the suite (`python -m benchmarks --parts multisteps`, with
+`--no-donate` for the undonated variant); `--quick` runs the Adam case only,
+on a smaller MLP, for 2 windows.
 """
 
-import argparse
-import os
-import pathlib
 import re
 import time
 
-import _record
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,37 +239,19 @@ def table(results):
   return "\n".join(lines)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="smaller models")
-  parser.add_argument("--rounds", type=int, default=None, help="timed windows")
-  parser.add_argument(
-    "--no-donate", action="store_true", help="do not donate params and state"
-  )
-  parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
-  args = parser.parse_args()
-  rounds = args.rounds or (2 if args.quick else 7)
-
-  start, load_before = time.perf_counter(), os.getloadavg()
+def run(quick: bool, rounds: int | None = None, donate: bool = True) -> dict:
+  """Every case (the Adam case only with `quick`); a record for the suite."""
+  rounds = rounds or (2 if quick else 7)
+  start = time.perf_counter()
   results = []
-  for case in CASES:
-    results.append(measure(case, args.quick, rounds, donate=not args.no_donate))
+  for case in ("adam",) if quick else tuple(CASES):
+    results.append(measure(case, quick, rounds, donate=donate))
     print(table(results[-1:]), flush=True)
-  elapsed = time.perf_counter() - start
-
-  print(
-    f"\n{_record.machine()['cpu']}, {os.cpu_count()} cores, jax {jax.__version__}, "
-    f"optax {optax.__version__}; K={K}, {MICROBATCH} rows per mini-step, "
-    f"{'no donation' if args.no_donate else 'params and state donated'}; "
-    f"median of {rounds} windows; {elapsed:.0f} s\n"
-  )
-  print(table(results))
-  suffix = ("-quick" if args.quick else "") + ("-no-donate" if args.no_donate else "")
-  out = args.out or _record.RESULTS / f"multisteps{suffix}.json"
-  _record.save(
-    out, load_before[0], rounds=rounds, seconds_total=elapsed, results=results
-  )
-
-
-if __name__ == "__main__":
-  main()
+  return {
+    "every_k": K,
+    "microbatch_rows": MICROBATCH,
+    "donated": donate,
+    "rounds": rounds,
+    "seconds_total": time.perf_counter() - start,
+    "results": results,
+  }

@@ -11,19 +11,13 @@ default float32 accumulator), bfloat16 params with the default float32
 accumulator (whose error is the final rounding of the mean to bf16), and
 bfloat16 params with `accumulator_dtype=None` (accumulating in bf16).
 
-Numbers, not timings: they do not depend on the machine's load.
-
-    python benchmarks/multisteps_precision.py            # K up to 4096, ~1 minute
-    python benchmarks/multisteps_precision.py --quick    # K up to 256
-
-The table is printed and saved as JSON under benchmarks/results/.
+Numbers, not timings: they do not depend on the machine's load. Part of the
+suite (`python -m benchmarks --parts precision`): K up to 4096, or up to 256
+with `--quick`.
 """
 
-import argparse
 import functools
-import os
 
-import _record
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,12 +67,8 @@ def relative_errors(row: str, num_microbatches: int) -> dict[str, float]:
   }
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="K up to 256")
-  args = parser.parse_args()
-  load_before = os.getloadavg()[0]
-  ks = [16, 256] if args.quick else [16, 256, 1024, 4096]
+def run(quick: bool) -> dict:
+  ks = [16, 256] if quick else [16, 256, 1024, 4096]
   table = {row: {k: relative_errors(row, k) for k in ks} for row in ROWS}
   width = max(map(len, ROWS))
   for norm in ("max", "rms"):
@@ -86,16 +76,9 @@ def main() -> None:
     print(f"{'':{width}} " + " ".join(f"{f'K={k}':>9}" for k in ks))
     for row, errors in table.items():
       print(f"{row:{width}} " + " ".join(f"{errors[k][norm]:9.2g}" for k in ks))
-  suffix = "-quick" if args.quick else ""
-  _record.save(
-    _record.RESULTS / f"multisteps_precision{suffix}.json",
-    load_before,
-    size=SIZE,
-    relative_error={
+  return {
+    "size": SIZE,
+    "relative_error": {
       row: {str(k): e for k, e in errors.items()} for row, errors in table.items()
     },
-  )
-
-
-if __name__ == "__main__":
-  main()
+  }

@@ -1,0 +1,22 @@
+"""jaccum's benchmark suite: `python -m benchmarks` (`--quick` for CI).
+
+Parts, run in this order (`--parts` picks some):
+
+* `sweep` (`sweep.py`, over `models.py` and `methods.py`): every way to take
+  an optimizer step at one effective batch (the whole batch, jaccum.accumulate,
+  optax.microbatch, a Python loop of jitted micro-steps, optax.MultiSteps and
+  jaccum.MultiSteps, nnx.value_and_grad and jaccum.nnx, jaccum with
+  return_stats) on an MLP, a CNN and a transformer LM, for several K: step
+  time, memory, compile time, time to first step; the plots come from it.
+* `loop` (`loop.py`): small micro-batches, the loop's cost per micro-batch
+  against the micro-step itself and a bare `lax.scan`, and the loop body's HLO.
+* `multisteps` (`multisteps.py`): jaccum.MultiSteps vs optax.MultiSteps with
+  Adam and Muon inner optimizers, time per mini-step, memory, buffer copies.
+* `precision` (`multisteps_precision.py`): the window mean's rounding error as K
+  grows, float32 and bfloat16.
+* `distributed` (`distributed.py`, its own process): collectives inside and
+  outside the loop and step time on 8 simulated CPU devices.
+
+Importing this package starts nothing: JAX is configured by the part that
+runs, so the distributed part can set its device count in its own process.
+"""

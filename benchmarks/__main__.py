@@ -1,0 +1,150 @@
+"""`python -m benchmarks [--quick] [--parts ...]`: run the suite, write its results.
+
+Writes `suite.json` (every number, with the machine, versions, date and the
+load around each part), `suite.md` (the tables) and the sweep's PNG plots into
+`benchmarks/results/` (`benchmarks/results/quick/` with `--quick`).
+`--report-only` redraws the tables and plots from an existing `suite.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def _sweep(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import sweep
+
+  return sweep.run(args.quick, args.rounds or (2 if args.quick else 15), args.models)
+
+
+def _loop(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import loop
+
+  record = loop.run(args.quick, args.rounds or (10 if args.quick else 100))
+  print(loop.table(record))
+  return record
+
+
+def _multisteps(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import multisteps
+
+  # The full run also measures every variant without donation.
+  donations = (True,) if args.quick else (True, False)
+  runs = [multisteps.run(args.quick, args.rounds, donate) for donate in donations]
+  return {"runs": runs}
+
+
+def _precision(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import multisteps_precision
+
+  return multisteps_precision.run(args.quick)
+
+
+def _distributed(args: argparse.Namespace) -> dict[str, Any]:
+  # Its own process: it needs 8 simulated CPU devices, set before JAX starts,
+  # and this process's single-device measurements must not share them.
+  out = args.out / "distributed.json.tmp"
+  command = [sys.executable, "-m", "benchmarks.distributed", "--out", str(out)]
+  subprocess.run(command + (["--quick"] if args.quick else []), check=True)
+  record = json.loads(out.read_text())
+  out.unlink()
+  return record
+
+
+# name: how to run it. Parts run in this order, one at a time; the distributed
+# part's process is waited for before the next part starts.
+PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+  "sweep": _sweep,
+  "loop": _loop,
+  "multisteps": _multisteps,
+  "precision": _precision,
+  "distributed": _distributed,
+}
+
+
+def write_report(record: dict[str, Any], out: pathlib.Path) -> None:
+  from benchmarks import plots, report
+
+  (out / "suite.md").write_text(report.render(record))
+  written = [out / "suite.md"]
+  if "sweep" in record["parts"]:
+    written += plots.plot_sweep(record, out)
+  print("wrote " + ", ".join(str(p) for p in written))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument(
+    "--quick", action="store_true", help="small sizes and few rounds, for CI"
+  )
+  parser.add_argument(
+    "--parts",
+    default=",".join(PARTS),
+    help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: all)",
+  )
+  parser.add_argument(
+    "--models", default="mlp,cnn,lm", help="models of the sweep (default: all)"
+  )
+  parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
+  parser.add_argument("--out", type=pathlib.Path, default=None, help="results folder")
+  parser.add_argument(
+    "--report-only",
+    action="store_true",
+    help="redraw suite.md and the plots from the folder's suite.json",
+  )
+  args = parser.parse_args()
+  args.out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
+  args.out.mkdir(parents=True, exist_ok=True)
+  args.models = args.models.split(",")
+  if args.report_only:
+    write_report(json.loads((args.out / "suite.json").read_text()), args.out)
+    return
+
+  from benchmarks import _record
+
+  parts = args.parts.split(",")
+  unknown = sorted(set(parts) - set(PARTS))
+  if unknown:
+    parser.error(f"unknown parts {unknown}; the parts are {list(PARTS)}")
+  record: dict[str, Any] = {
+    "date": _record.now(),
+    "machine": _record.machine(),
+    "quick": args.quick,
+    "command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
+    "parts": {},
+  }
+  start = time.perf_counter()
+  for name in (name for name in PARTS if name in parts):
+    print(f"\n=== {name} ===", flush=True)
+    load_before, part_start = _record.load(), time.perf_counter()
+    cpu_start = time.process_time()
+    result = PARTS[name](args)
+    result["load_average"] = [load_before, _record.load()]
+    result["seconds"] = time.perf_counter() - part_start
+    # This process's CPU time (the distributed part's runs in a child).
+    result["cpu_seconds"] = time.process_time() - cpu_start
+    record["parts"][name] = result
+    record["seconds_total"] = time.perf_counter() - start
+    # Saved after every part: a failure later loses nothing measured.
+    (args.out / "suite.json").write_text(json.dumps(record, indent=1) + "\n")
+  print(
+    f"\n{len(record['parts'])} parts in {record['seconds_total']:.0f} s "
+    f"(load average now {os.getloadavg()[0]:.1f})"
+  )
+  write_report(record, args.out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,267 @@
+"""The suite's markdown report, written from its JSON record alone."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks import _record
+
+MIB = 2**20
+
+
+def markdown_table(header: list[str], rows: list[list[Any]], align: str = "") -> str:
+  align = align or "l" + "r" * (len(header) - 1)
+  rule = ["---" if a == "l" else "--:" for a in align]
+  lines = [header, rule, *rows]
+  return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+  return "–" if value is None else format(value, spec)
+
+
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+  """The median over rounds of a's step time / b's in the same round."""
+  ratios = [x / y for x, y in zip(a["step_s_rounds"], b["step_s_rounds"], strict=True)]
+  return statistics.median(ratios)
+
+
+def sweep_section(sweep: dict[str, Any]) -> str:
+  parts = [
+    "## Sweep over K\n",
+    f"One optimizer step ({sweep['optimizer']}) at the same effective batch, "
+    f"median of {sweep['rounds']} rounds in rotated order; ratios are medians "
+    "of per-round ratios. Working memory: XLA temporaries, outputs not written "
+    "into donated inputs, and buffers held between programs.",
+  ]
+  if sweep.get("concurrent_first_steps"):
+    parts.append(
+      "First steps ran two at a time (`--quick`): compile times and times to "
+      "first step are not comparable between methods."
+    )
+  for model in sweep["models"]:
+    rows = model["rows"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    ks = sorted({r["num_microbatches"] for r in rows})
+    at = {(r["num_microbatches"], r["method"]): r for r in rows}
+    parts.append(
+      f"\n### {model['name'] if 'name' in model else model['model']}: "
+      f"{model['description']}, batch {model['batch_size']}\n"
+    )
+
+    def grid(cell, at=at, methods=methods, ks=ks):
+      return [
+        [k, *(cell(at[k, m]) if (k, m) in at else "–" for m in methods)] for k in ks
+      ]
+
+    parts.append("Step time, ms (× whole batch):\n")
+    parts.append(
+      markdown_table(
+        ["K", *methods],
+        grid(lambda r: f"{r['step_s'] * 1e3:.1f} ({r['step_vs_whole']:.2f}×)"),
+      )
+    )
+    parts.append("\nWorking memory, MiB (XLA temporaries alone in parentheses):\n")
+    parts.append(
+      markdown_table(
+        ["K", *methods],
+        grid(
+          lambda r: (
+            f"{_fmt(r['working_bytes'] and r['working_bytes'] / MIB, '.2f')} "
+            f"({_fmt(r['temp_bytes'] and r['temp_bytes'] / MIB, '.2f')})"
+          )
+        ),
+      )
+    )
+    parts.append("\nXLA compile time / time to first step, s:\n")
+    parts.append(
+      markdown_table(
+        ["K", *methods],
+        grid(lambda r: f"{r['compile_s']:.2f} / {r['first_step_s']:.2f}"),
+      )
+    )
+    pairs = [
+      ("jaccum", "optax.microbatch"),
+      ("jaccum", "python loop"),
+      ("jaccum.MultiSteps", "optax.MultiSteps"),
+      ("jaccum.MultiSteps", "python loop"),
+      ("jaccum.nnx", "nnx"),
+      ("jaccum+stats", "jaccum"),
+    ]
+    pair_rows = []
+    for k in ks:
+      cells = []
+      for a, b in pairs:
+        ra, rb = at.get((k, a)), at.get((k, b))
+        if ra is None or rb is None:
+          cells.append("–")
+        else:
+          cells.append(f"{paired_ratio(ra, rb):.2f}")
+      pair_rows.append([k, *cells])
+    parts.append("\nStep time ratios:\n")
+    parts.append(markdown_table(["K", *(f"{a} / {b}" for a, b in pairs)], pair_rows))
+  return "\n".join(parts)
+
+
+def loop_section(loop: dict[str, Any]) -> str:
+  f = loop["findings"]
+  rows = [
+    [
+      "quickstart train step, jaccum / whole batch",
+      f"{f['train_step_jaccum_vs_whole_ratio']:.2f}",
+    ],
+    ["jaccum / whole batch", f"{f['jaccum_vs_whole_ratio']:.2f}"],
+    ["bare scan / whole batch", f"{f['bare_scan_vs_whole_ratio']:.2f}"],
+    ["unrolled scan / whole batch", f"{f['unrolled_vs_whole_ratio']:.2f}"],
+    ["K × micro-step alone / whole batch", f"{f['k_micro_steps_vs_whole_ratio']:.2f}"],
+    ["(jaccum − whole) per micro-batch, µs", f"{f['jaccum_minus_whole_us']:.1f}"],
+    [
+      "(jaccum − bare scan) per micro-batch, µs",
+      f"{f['jaccum_minus_bare_scan_us']:.1f}",
+    ],
+    [
+      "(bare scan − unrolled) per micro-batch, µs",
+      f"{f['bare_scan_minus_unrolled_us']:.1f}",
+    ],
+    [
+      "one 32-row micro-step alone, less a dispatch, µs",
+      f"{f['micro_step_alone_us']:.1f}",
+    ],
+    ["jaccum, per 1-row iteration, µs", f"{f['jaccum_per_iteration_us']:.1f}"],
+    ["bare scan, per 1-row iteration, µs", f"{f['bare_scan_per_iteration_us']:.1f}"],
+    ["empty scan, per iteration, µs", f"{f['empty_scan_per_iteration_us']:.1f}"],
+  ]
+  ops = loop["loop_body_ops"]
+  op_names = sorted({op for counts in ops.values() for op in counts} - {"kernels"})
+  op_rows = [
+    [name, *(counts.get(op, 0) for op in op_names), counts.get("kernels", 0)]
+    for name, counts in ops.items()
+  ]
+  return "\n".join(
+    [
+      "## Small micro-batches: the loop's cost per micro-batch\n",
+      f"{loop['config']}; median of {loop['rounds']} rounds.\n",
+      markdown_table(["measure", "value"], rows),
+      "\nInstructions in the compiled loop body (kernels: all but "
+      "parameter, get-tuple-element, tuple, constant, bitcast):\n",
+      markdown_table(["loop", *op_names, "kernels"], op_rows),
+    ]
+  )
+
+
+def multisteps_section(multisteps: dict[str, Any]) -> str:
+  parts = ["## MultiSteps: K=8 mini-steps per window\n"]
+  for record in multisteps["runs"]:
+    parts.append(
+      f"\n{'Params and state donated' if record['donated'] else 'Nothing donated'}; "
+      f"{record['microbatch_rows']} rows per mini-step, median of "
+      f"{record['rounds']} windows.\n"
+    )
+    rows = []
+    for r in record["results"]:
+      for name, temp in r["temp_bytes"].items():
+        ratio = r["time_ratios"].get(f"{name}/optax")
+        memory = r["memory_ratios"].get(f"{name}/optax")
+        rows.append(
+          [
+            r["case"],
+            f"{r['num_params'] / 1e6:.1f}M",
+            name,
+            f"{r['seconds_per_mini_step'][name] * 1e3:.1f}",
+            f"{r['seconds_accumulate_call'][name] * 1e3:.1f}",
+            f"{r['seconds_emit_call'][name] * 1e3:.1f}",
+            _fmt(ratio, ".2f"),
+            f"{temp / MIB:.1f}",
+            _fmt(memory, ".2f"),
+            r["params_sized_copies"][name],
+          ]
+        )
+    parts.append(
+      markdown_table(
+        [
+          "inner",
+          "params",
+          "variant",
+          "ms / mini-step",
+          "accumulate ms",
+          "emit ms",
+          "time × optax",
+          "temp MiB",
+          "memory × optax",
+          "copies",
+        ],
+        rows,
+        "lllrrrrrrr",
+      )
+    )
+  return "\n".join(parts)
+
+
+def precision_section(precision: dict[str, Any]) -> str:
+  errors = precision["relative_error"]
+  ks = list(next(iter(errors.values())))
+  rows = [
+    [row, *(f"{e[k]['max']:.2g} / {e[k]['rms']:.2g}" for k in ks)]
+    for row, e in errors.items()
+  ]
+  return "\n".join(
+    [
+      "## MultiSteps precision: the window mean's relative error (max / rms)\n",
+      f"{precision['size']} entries per gradient, g ~ N(1, 1).\n",
+      markdown_table(["", *(f"K={k}" for k in ks)], rows),
+    ]
+  )
+
+
+def distributed_section(distributed: dict[str, Any]) -> str:
+  if "skipped" in distributed:
+    return f"## Distributed\n\nSkipped: {distributed['skipped']}."
+  rows = [
+    [
+      r["K"],
+      r["approach"],
+      r["all_reduce_in_loop"],
+      r["all_reduce_outside"],
+      f"{r['step_ms']:.1f}",
+    ]
+    for r in distributed["rows"]
+  ]
+  return "\n".join(
+    [
+      f"## Distributed: {len(distributed['devices'])} simulated CPU devices\n",
+      f"{distributed['model']}, {distributed['rows_per_microbatch_per_device']} rows "
+      "per micro-batch per device.\n",
+      markdown_table(
+        ["K", "approach", "all-reduce in loop", "all-reduce outside", "step ms"],
+        rows,
+        "rlrrr",
+      ),
+    ]
+  )
+
+
+SECTIONS = {
+  "sweep": sweep_section,
+  "loop": loop_section,
+  "multisteps": multisteps_section,
+  "precision": precision_section,
+  "distributed": distributed_section,
+}
+
+
+def render(record: dict[str, Any]) -> str:
+  head = [
+    "# jaccum benchmark results\n",
+    f"{_record.caption(record)}.\n",
+    "Load average (1 minute) before and after each part: "
+    + ", ".join(
+      f"{name} {part['load_average'][0]:.1f} → {part['load_average'][1]:.1f}"
+      for name, part in record["parts"].items()
+    )
+    + ".",
+  ]
+  body = [
+    SECTIONS[name](part) for name, part in record["parts"].items() if name in SECTIONS
+  ]
+  return "\n\n".join(["\n".join(head), *body]) + "\n"
