@@ -320,9 +320,14 @@ def scan(
     None if total0 is None else _collective.match_varying(total0, weight_shape),
     stats0,
   )
-  (acc, state, total, stats), _ = jax.lax.scan(
-    body, carry0, jnp.arange(num_microbatches), unroll=config.unroll
-  )
+  if num_microbatches == 1:
+    # One micro-batch is the whole batch: no loop, so XLA schedules the step
+    # as it would without accumulation (a scan of length 1 keeps a carry).
+    (acc, state, total, stats), _ = body(carry0, jnp.int32(0))
+  else:
+    (acc, state, total, stats), _ = jax.lax.scan(
+      body, carry0, jnp.arange(num_microbatches), unroll=config.unroll
+    )
   return Local(leaves, out_shape, grad_mask, acc, total, state, stats, rows)
 
 
