@@ -29,7 +29,7 @@ extensions = [
 ]
 
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "README-draft.md"]
+exclude_patterns = ["_build"]
 
 # MyST: anchors for headings down to ### so guides can link to sections.
 myst_heading_anchors = 3
