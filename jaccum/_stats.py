@@ -133,6 +133,23 @@ class NoiseScaleEMAState(NamedTuple):
     true_grad_sq_norm: float32, the average of the `|G|²` estimates, each
       weighing `decay` times the one after it (0 before the first step).
     trace_covariance: float32, the same average of the `tr(Σ)` estimates.
+
+  Examples:
+    Two steps' estimates, then one that is not finite (skipped), averaged with
+    `decay = 0.5`: `|G|² = (0.5·4 + 1) / 1.5 = 2`, `tr(Σ) = (0.5·20 + 26) / 1.5`.
+
+    >>> import jaccum
+    >>> nan = float("nan")
+    >>> def estimates(grad_sq, trace):  # what an accumulated step reports
+    ...   return jaccum.AccumulationStats(nan, nan, grad_sq, trace, nan, 64.0, 8.0)
+    >>> ema = jaccum.NoiseScaleEMA(decay=0.5)
+    >>> state = ema.init()
+    >>> for grad_sq, trace in [(4.0, 20.0), (1.0, 26.0), (nan, 30.0)]:
+    ...   state, noise_scale = ema.update(state, estimates(grad_sq, trace))
+    >>> int(state.count), float(state.true_grad_sq_norm), float(state.trace_covariance)
+    (2, 2.0, 24.0)
+    >>> float(noise_scale)
+    12.0
   """
 
   count: jax.Array
