@@ -101,7 +101,9 @@ def accumulate(
       the final cast to bf16; bf16 summed in bf16 stalls once the sum
       outgrows its 8-bit mantissa. Keep the float32 default for bf16 models.
     rng_argnum: the positional argument holding a PRNG key; micro-batch k gets
-      `jax.random.fold_in(key, k)` (per device, folded with the device first).
+      `jax.random.fold_in(key, k)`; across devices, device d > 0 folds the key
+      with d first, so devices draw different numbers and device 0 draws as
+      one device would.
     state_argnum: the positional argument holding state that `grad_fn`
       updates (e.g. BatchNorm `batch_stats`): `grad_fn` returns
       `(out, new_state)`, micro-batch k+1 sees the state micro-batch k

@@ -69,6 +69,21 @@ def sums_over(jaxpr: jex.Jaxpr, axes: Sequence[str]) -> bool:
   )
 
 
+def fold_device(key: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """`key` on device 0, `fold_in(key, d)` on device d > 0 of `axes`.
+
+  Devices draw different numbers, and device 0 draws (and advances a key
+  threaded as state) exactly as one device running the whole batch would, so
+  the key that comes back after the loop is the unsharded one.
+  """
+  device = jax.lax.axis_index(tuple(axes))
+  data = jax.random.key_data(key)
+  folded = jax.random.key_data(jax.random.fold_in(key, device))
+  return jax.random.wrap_key_data(
+    jnp.where(device == 0, data, folded), impl=jax.random.key_impl(key)
+  )
+
+
 def _device_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """Device 0's value of `x` on every device (exact for any dtype, keys too)."""
   is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)

@@ -25,6 +25,10 @@ from jaccum._microbatch import check_batch, take_microbatch
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
+def _is_typed_key(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
 def _check_state_output(out: Any, state: Any) -> Any:
   """Checks that a micro-step returned `(out, new_state)` matching `state`."""
   if not isinstance(out, tuple | list) or len(out) != 2:
@@ -211,7 +215,13 @@ def scan(
     ]
     extras = _collective.cast_varying(extras, axes)
     if at.rng is not None:
-      args[at.rng] = jax.random.fold_in(args[at.rng], jax.lax.axis_index(axes))
+      args[at.rng] = _collective.fold_device(args[at.rng], axes)
+    if at.state is not None:
+      # Keys in the state too: devices draw different numbers.
+      args[at.state] = jax.tree.map(
+        lambda s: _collective.fold_device(s, axes) if _is_typed_key(s) else s,
+        args[at.state],
+      )
 
   def micro_args(index, state):
     step_args = list(args)

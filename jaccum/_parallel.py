@@ -1,14 +1,44 @@
 """Accumulation over a mesh: every device loops over its own rows, then one reduction.
 
-The batch is viewed as `[devices, rows per device, ...]`, already laid out that
-way by its sharding, and the local loop runs under `vmap` over the device axis
-with `spmd_axis_name`, so XLA gives each device its own slice and nothing in
-the loop communicates. The user's function never runs under manual axes:
-closures, keyword arguments, static arguments and custom VJPs behave as on one
-device, and no psum enters a micro-step's backward pass. The per-device
-accumulators then go through one small `shard_map` that holds only jaccum's
-reduction (`_collective.all_reduce`: one fused psum, a reduce-scatter for FSDP
+The per-device loop runs under `shard_map` over the data axes, with
+`check_vma=False`: the user's function sees each device's rows exactly as
+it would see a batch on one device, as under `pmap`. Whatever a model does
+(convolutions, `lax.cond` on batch data, gathers, custom VJPs), it does on
+local arrays, so nothing in the loop communicates unless the user's own code
+names the data axis (`lax.pmean` for synchronised BatchNorm: one all-reduce
+per micro-batch, as asked). Without type checks, an array the function
+closes over and differentiates gets its per-device gradient, as an argument
+does: JAX inserts no psum into the micro-step's backward pass. Each device's
+carry leaves the `shard_map` stacked over the devices (no data moves), and a
+second, small `shard_map` holds only jaccum's reduction
+(`_collective.all_reduce`: one fused psum, a reduce-scatter for FSDP
 gradients) and returns global arrays.
+
+Why this route. The previous one ran the loop under `vmap` over a device
+axis with `spmd_axis_name`. That keeps the function out of manual axes, but
+`vmap`'s batching rules rewrite what the function does: a convolution whose
+kernel is batched (every kernel gradient) folds the device axis into its
+feature groups, and a `lax.cond` on batch data becomes a `select` under
+sharding constraints. On an explicit mesh both failed to trace (a reshape
+JAX cannot shard; "Resource axis: data ... not found in mesh: ()"), and on
+an auto mesh the convolution compiled to two all-gathers inside the loop
+and every device computing all devices' kernel gradients (measured on an
+8-device CPU mesh, a 3x3 convolution and a dense head: 2 all-gathers per
+micro-step). Running the loop in an auto-typed context (`auto_axes`) fixed
+the explicit-mesh errors but kept the all-gathers. `shard_map` runs each
+device's rows as they are, so neither happens, and what the function may do
+is what it may do inside any `shard_map`.
+
+One case `shard_map` refuses: on an explicit mesh, a function that closes
+over arrays placed on the mesh ("Closing over inputs to shard_map where the
+input is sharded on Explicit axes is not implemented"). Lifting the closure
+out by tracing the function outside `shard_map` and evaluating its jaxpr
+inside would need every mesh recorded in the jaxpr (in parameters, types
+and each equation's context) rewritten, which JAX offers no way to do.
+There, and whenever the function cannot run per device, the loop runs as
+the whole batch's step runs, on the sharded batch (`_as_the_whole_batch`):
+the same result, with the whole batch's communication inside the loop, and
+a warning that names the cause and the fix (pass the array as an argument).
 """
 
 from __future__ import annotations
@@ -36,18 +66,6 @@ def _is_spec(x: Any) -> bool:
 def spec_axes(entry: Any) -> tuple[str, ...]:
   """The mesh axes one `PartitionSpec` entry names: None, a name or a tuple."""
   return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
-def _is_typed_key(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
-
-
-def _restore_key(before: Any, after: Any) -> Any:
-  if not _is_typed_key(before):
-    return after
-  folded = jax.random.key_data(jax.random.fold_in(before, 0))
-  unchanged = jnp.all(jax.random.key_data(after) == folded)
-  return jnp.where(unchanged, before, after)
 
 
 def _spec_of(x: Any) -> P | None:
@@ -121,7 +139,7 @@ def _find_mesh(args: Sequence[Any], at: Positions) -> Any:
   )
 
 
-def _place(x: jax.Array, mesh: Any, spec: P, explicit: bool) -> jax.Array:
+def _place(x: Any, mesh: Any, spec: P, explicit: bool) -> jax.Array:
   sharding = jax.NamedSharding(mesh, spec)
   if explicit:
     return jax.sharding.reshard(x, sharding)
@@ -201,6 +219,96 @@ def _check_per_device_leaves(
       )
 
 
+def _placed_inputs(
+  call: Any,
+  is_batch: Any,
+  specs: list[P | None] | None,
+  *,
+  mesh: Any,
+  axes: tuple[str, ...],
+  explicit: bool,
+) -> tuple[list[Any], list[P]]:
+  """The call's array leaves laid out for the per-device loop, with their in_specs.
+
+  Batch leaves are split over `axes` on axis 0 (other mesh axes keep their
+  sharding); every other array goes whole to every device: FSDP params are
+  first laid out as their specs say (which also tells `jit` where an unplaced
+  argument lives), then gathered, once, before the loop.
+  """
+  leaves, flags = jax.tree.leaves(call), jax.tree.leaves(is_batch)
+  param_count = 0 if specs is None else len(specs)
+  placed, in_specs = [], []
+  for index, (x, batch) in enumerate(zip(leaves, flags, strict=True)):
+    if not isinstance(x, _loop.ARRAY_TYPES):
+      continue
+    if batch:
+      rest = (_spec_of(x) or P())[1:] if explicit else ()
+      x = _place(x, mesh, P(axes, *rest), explicit)
+    else:
+      # The params (argument 0) are the call's first leaves.
+      spec = specs[index] if specs is not None and index < param_count else None
+      if spec is not None:
+        x = _place(x, mesh, spec, explicit)
+      own = spec if spec is not None else _spec_of(x) if explicit else None
+      if own is not None and any(set(spec_axes(e)) & set(axes) for e in own):
+        x = _place(x, mesh, _without(own, axes), explicit)
+    placed.append(x)
+    in_specs.append(P(axes) if batch else P())
+  return placed, in_specs
+
+
+def _as_the_whole_batch(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  mesh: Any,
+  axes: tuple[str, ...],
+  explicit: bool,
+  rewrite: Callable[[Any], Any] | None,
+  error: Exception,
+) -> Any:
+  """The loop over the sharded batch, as the whole batch's step would run.
+
+  For what cannot run per device under `shard_map`: on an explicit mesh, JAX
+  does not let a `shard_map` close over arrays placed on the mesh, which a
+  `grad_fn` reaching params or constants by closure does. The micro-step is
+  then the whole-batch step on fewer rows, sharded by the batch's types:
+  whatever the whole batch runs, this runs, with the same result, but XLA
+  communicates inside the loop wherever the whole batch's step communicates.
+  If this fails too, the whole batch would fail the same way, and its error
+  is raised.
+  """
+  args = list(args)
+  for i in at.batch:
+    args[i] = jax.tree.map(
+      lambda x: (
+        _place(
+          x, mesh, P(axes, *((_spec_of(x) or P())[1:] if explicit else ())), explicit
+        )
+        if isinstance(x, _loop.ARRAY_TYPES)
+        else x
+      ),
+      args[i],
+    )
+  try:
+    out = _loop.run(config, at, args, kwargs, rewrite=rewrite)
+  except Exception as whole_batch_error:
+    raise whole_batch_error from error
+  first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  warnings.warn(
+    f"jaccum could not run grad_fn on each device's rows under shard_map "
+    f"({type(error).__name__}: {first_line[:300]}), so it runs the loop as the "
+    f"whole batch's step runs, sharded over {axes}: the result is the same, but "
+    f"XLA may communicate inside the loop (check with "
+    f"jaccum.inspect.collectives). On an explicit mesh the usual cause is an "
+    f"array grad_fn closes over that is placed on the mesh: pass it as an "
+    f"argument or keyword instead, and the loop runs with no communication.",
+    stacklevel=4,
+  )
+  return out
+
+
 def run(
   config: Config,
   at: Positions,
@@ -248,82 +356,60 @@ def run(
     if n in axes
   )
   specs = _fsdp_specs(param_specs, args, at, axes, explicit)
+  _loop.check_two_sizes(config, num_devices)
 
-  # Non-batch arguments sharded over the data axes are gathered once, here,
-  # rather than inside every micro-step.
-  args = list(args)
-  if specs is not None:
-    # FSDP params are laid out as their specs say (which also tells jit how
-    # to place an unplaced argument), then gathered.
-    def gather(x, spec):
-      if spec is None:
-        return x
-      return _place(
-        _place(x, mesh, spec, explicit), mesh, _without(spec, axes), explicit
-      )
-
-    flat, treedef = jax.tree.flatten(args[0])
-    args[0] = jax.tree.unflatten(
-      treedef, [gather(x, s) for x, s in zip(flat, specs, strict=True)]
-    )
-  if explicit:
-    for i, a in enumerate(args):
-      if i not in at.batch and (i != 0 or specs is None):
-        args[i] = jax.tree.map(
-          lambda x: (
-            x
-            if (s := _spec_of(x)) is None
-            else _place(x, mesh, _without(s, axes), True)
-          ),
-          a,
-        )
-
-  def per_device_blocks(x):
-    rest = (_spec_of(x) or P())[1:] if explicit else ()
-    shape = (num_devices, x.shape[0] // num_devices, *x.shape[1:])
-    if explicit:
-      x = jax.sharding.reshard(x, jax.NamedSharding(mesh, P(axes, *rest)))
-      return jnp.reshape(
-        x, shape, out_sharding=jax.NamedSharding(mesh, P(axes, None, *rest))
-      )
-    return _place(x.reshape(shape), mesh, P(axes), False)
-
-  blocks = {i: jax.tree.map(per_device_blocks, args[i]) for i in at.batch}
-
-  # The state starts the same on every device and is threaded on each; keys
-  # in it are folded with the device index, so devices draw different numbers.
-  def per_device_state(s):
-    s = jnp.asarray(s)
-    if _is_typed_key(s):
-      s = jax.vmap(lambda d: jax.random.fold_in(s, d))(jnp.arange(num_devices))
-    else:
-      s = jnp.broadcast_to(s, (num_devices, *s.shape))
-    return _place(s, mesh, P(axes), explicit)
-
-  if at.state is not None:
-    blocks[at.state] = jax.tree.map(per_device_state, args[at.state])
-  keys = None
-  if at.rng is not None:
-    key = args[at.rng]
-    keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(num_devices))
-    keys = _place(keys, mesh, P(axes), explicit)
-
+  # Every array the micro-step can reach as an input crosses into the
+  # per-device loop: the call's arguments and keywords, and the arrays bound
+  # in a functools.partial. Other leaves (static arguments) stay as they are.
+  call = (tuple(args), dict(kwargs), config.bound_args, config.bound_kwargs)
+  is_batch = (
+    tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
+    *(jax.tree.map(lambda _: False, part) for part in call[1:]),
+  )
+  placed, in_specs = _placed_inputs(
+    call, is_batch, specs, mesh=mesh, axes=axes, explicit=explicit
+  )
+  flat, treedef = jax.tree.flatten(call)
+  dynamic = [isinstance(x, _loop.ARRAY_TYPES) for x in flat]
   found: list[_loop.Local] = []
 
-  def per_device(blocks, key):
-    local_args = list(args)
-    for i, block in blocks.items():
-      local_args[i] = block
-    if at.rng is not None:
-      local_args[at.rng] = key
-    local = _loop.scan(config, at, local_args, kwargs, rewrite=rewrite)
+  def per_device(*arrays):
+    it = iter(arrays)
+    local_args, local_kwargs, bound_args, bound_kwargs = jax.tree.unflatten(
+      treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
+    )
+    local_config = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
+    local = _loop.scan(
+      local_config, at, local_args, local_kwargs, axes=axes, rewrite=rewrite
+    )
     found.append(local)
-    return local.acc, local.total, local.state, local.stats
+    # Each device's carry, stacked over the devices: nothing moves.
+    return jax.tree.map(
+      lambda x: jnp.asarray(x)[None], (local.acc, local.total, local.state, local.stats)
+    )
 
-  _loop.check_two_sizes(config, num_devices)
-  # vmap's spmd_axis_name resolves axis names in the mesh of the context.
-  with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
-    acc, total, state, stats = jax.vmap(per_device, spmd_axis_name=axes)(blocks, keys)
+  # The user's function runs under shard_map, on each device's rows, as it
+  # would on one device. Without type checks (check_vma=False, as under
+  # pmap), an array it closes over and differentiates gets its per-device
+  # gradient, with no psum inserted into the micro-step.
+  loop = jax.shard_map(
+    per_device,
+    mesh=mesh,
+    in_specs=tuple(in_specs),
+    out_specs=P(axes),
+    axis_names=set(axes),
+    check_vma=False,
+  )
+  try:
+    acc, total, state, stats = loop(*placed)
+  except Exception as error:  # any reason grad_fn cannot run per device
+    per_device_error = error
+  else:
+    per_device_error = None
+  if per_device_error is not None:
+    return _as_the_whole_batch(
+      config, at, args, kwargs, mesh, axes, explicit, rewrite, per_device_error
+    )
   local = found[0]
   rows = batch_size // per_step
   _check_per_device_leaves(
@@ -395,10 +481,6 @@ def run(
     axis_names=set(axes),
   )
   result, state, estimates = reduced(acc, total, state, stats)
-  if at.state is not None:
-    # A key the loop left as it was (an nnx.Rngs key: only its count moves)
-    # comes back as it was passed, not folded with device 0's index.
-    state = jax.tree.map(_restore_key, args[at.state], state)
   result = jax.tree.map(
     lambda p, r: np.zeros(p.shape, jax.dtypes.float0) if p.mode == "float0" else r,
     local.leaves,
@@ -429,7 +511,14 @@ def data_parallel(
   `axis` is split over; other axes, e.g. `"model"`, keep their sharding).
   `grad_fn` may reach its params any way (argument, keyword, closure,
   `functools.partial`): it runs on each device's rows exactly as it would on
-  one device, under `vmap` over the devices rather than inside `shard_map`.
+  one device (under `shard_map` without type checks, as under `pmap`), so
+  any model that runs on one device runs here, and a closed-over array gets
+  its gradient, not the gradient summed over devices. On an explicit mesh
+  JAX cannot pass arrays placed on the mesh into `shard_map` by closure;
+  such a `grad_fn` runs as the whole-batch step would, on the sharded batch,
+  with a warning (exact, but XLA may communicate inside the loop). Code that
+  names `axis` runs per micro-batch across devices: `lax.pmean(x, axis)`
+  gives synchronised BatchNorm statistics (one all-reduce per micro-batch).
 
   With `param_specs` (FSDP / ZeRO style), the first argument (the params)
   arrives sharded as those specs say: each sharded leaf is all-gathered once
@@ -441,7 +530,9 @@ def data_parallel(
   `state_argnum`) see each device's rows, as in any data-parallel step;
   threaded floating state is averaged over devices at the end, other state
   (counters, keys) takes device 0's value. Keys differ per device and per
-  micro-batch.
+  micro-batch: device d > 0 folds a key (`rng_argnum`, or one threaded as
+  state) with d first, and device 0 draws exactly as one device would, so a
+  key threaded as state comes back as the unsharded call leaves it.
 
   Args:
     grad_fn: as for `accumulate`.

@@ -365,7 +365,8 @@ def test_imagenet_step_under_pmap_reduces_once_and_follows_the_devices_loops():
   got_state, got_metrics = jaccum_alone(state, sharded, key)
 
   # The reference: each device runs its two micro-batches in order from the
-  # same statistics (its key folded with the device index, then with k);
+  # same statistics (its key folded with the device index, but on device 0,
+  # which draws as one device would; then with k);
   # gradients average over all, statistics over devices.
   def loss_fn(params, batch_stats, batch, rng):
     logits, new_model_state = ResNet().apply(
@@ -384,7 +385,7 @@ def test_imagenet_step_under_pmap_reduces_once_and_follows_the_devices_loops():
       state.params,
       state.batch_stats,
       jax.tree.map(lambda x, d=d: x[d], sharded),
-      jax.random.fold_in(key, d),
+      jax.random.fold_in(key, d) if d else key,
       2,
     )
     for d in range(num_devices)
