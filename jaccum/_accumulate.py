@@ -35,6 +35,7 @@ def accumulate(
   unroll: int | bool = 1,
   grad_leaves: Any = None,
   return_stats: bool = False,
+  conv_rewrite: bool = True,
 ) -> Callable[..., Any]:
   """Runs `grad_fn` over `num_microbatches` micro-batches and combines the outputs.
 
@@ -136,6 +137,12 @@ def accumulate(
       gradients and their mean: one scalar per micro-step, no extra
       gradient-sized buffer. Batch sizes count examples, or with `weight_fn`
       its weight units. Needs two batch sizes: K >= 2, or several devices.
+    conv_rewrite: on CPU, rewrite the micro-step's convolutions into
+      XLA:CPU's fast layout where that was measured faster (XLA lays out
+      convolutions in a loop body as traced, which is many times slower for
+      most of them; see the performance guide). `False` leaves the traced
+      program untouched. Other backends never rewrite; values are the same
+      either way.
 
   Returns:
     A function with `grad_fn`'s signature, usable with or without `jit`;
@@ -172,6 +179,7 @@ def accumulate(
     unroll=unroll,
     grad_leaves=grad_leaves,
     return_stats=return_stats,
+    conv_rewrite=conv_rewrite,
   )
 
   # `updated=()`: the wrapper takes grad_fn's name and docstring, not its
@@ -179,10 +187,9 @@ def accumulate(
   @functools.wraps(grad_fn, updated=())
   def accumulated(*args, **kwargs):
     at = _config.positions(config, args, kwargs)
-    rewrite = _loop.default_rewrite()
     route = None if config.axes is not None else _parallel.explicit_batch_axes(args, at)
     if route is None:
-      return _loop.run(config, at, args, kwargs, rewrite=rewrite)
+      return _loop.run(config, at, args, kwargs)
     mesh, axes = route
     if at.state is not None and any(
       jnp.issubdtype(jnp.result_type(x), jnp.inexact)
@@ -198,7 +205,6 @@ def accumulate(
       kwargs,
       mesh=mesh,
       axes=axes,
-      rewrite=rewrite,
       unsharded_meaning=True,
     )
 

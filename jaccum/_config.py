@@ -113,6 +113,7 @@ class Config(NamedTuple):
   unroll: int | bool
   grad_leaves: Any
   return_stats: bool
+  conv_rewrite: bool
 
 
 def axis_tuple(axis_name: Any, name: str = "axis_name") -> tuple[str, ...]:
@@ -143,6 +144,7 @@ def make_config(
   unroll: int | bool = 1,
   grad_leaves: Any = None,
   return_stats: bool = False,
+  conv_rewrite: bool = True,
 ) -> Config:
   """Checks every option of `accumulate` that can be checked without arguments."""
   if not callable(grad_fn):
@@ -169,6 +171,7 @@ def make_config(
     unroll=_check_unroll(unroll),
     grad_leaves=None if grad_leaves is None else _check_grad_leaves(grad_leaves),
     return_stats=_check_bool(return_stats, "return_stats"),
+    conv_rewrite=_check_bool(conv_rewrite, "conv_rewrite"),
   )
 
 

@@ -182,7 +182,6 @@ def scan(
   kwargs: dict[str, Any],
   *,
   axes: tuple[str, ...] | None = None,
-  rewrite: Callable[[Any], Any] | None = None,
 ) -> Local:
   """Runs `grad_fn` over K micro-batches of the batch arguments, on this device.
 
@@ -194,8 +193,6 @@ def scan(
     axes: inside `shard_map`/`pmap`, the axes the batch is split over:
       non-batch arguments are cast to device-varying (no psum in the loop)
       and the key is folded with the device index.
-    rewrite: applied to the traced micro-step (a ClosedJaxpr), e.g. the CPU
-      convolution layout rewrite.
   """
   num_microbatches, split = config.num_microbatches, config.split
   batch_size = check_batch(
@@ -262,7 +259,7 @@ def scan(
   out_tree = jax.tree.structure(shapes)
   if axes is not None:
     _check_closures(closed, [args[i] for i in at.batch], axes)
-  if rewrite is not None:
+  if (rewrite := default_rewrite(config)) is not None:
     closed = rewrite(closed)
 
   rows = batch_size // num_microbatches
@@ -341,13 +338,14 @@ def scan(
   return Local(leaves, out_shape, grad_mask, acc, total, state, stats, rows)
 
 
-def default_rewrite() -> Callable[[Any], Any] | None:
+def default_rewrite(config: Config) -> Callable[[Any], Any] | None:
   """The rewrite the traced micro-step gets on the default backend, if any.
 
   On CPU, convolutions in a loop body miss XLA's fast layout (see
-  `_conv_layout`); other backends run the micro-step as traced.
+  `_conv_layout`) unless `conv_rewrite=False`; other backends run the
+  micro-step as traced.
   """
-  if jax.default_backend() == "cpu":
+  if config.conv_rewrite and jax.default_backend() == "cpu":
     return _conv_layout.canonicalize_convolutions
   return None
 
@@ -394,15 +392,13 @@ def run(
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
-  *,
-  rewrite: Callable[[Any], Any] | None = None,
 ) -> Any:
   """The loop on this device, then (with `config.axes`) one reduction over them."""
   num_terms = config.num_microbatches
   if config.axes is not None:
     num_terms *= check_axes_bound(config.axes)
   check_two_sizes(config, num_terms // config.num_microbatches)
-  local = scan(config, at, args, kwargs, axes=config.axes, rewrite=rewrite)
+  local = scan(config, at, args, kwargs, axes=config.axes)
   acc, total, state = local.acc, local.total, local.state
   extras = list(local.stats or ())
   if config.axes is not None:

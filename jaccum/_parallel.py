@@ -265,7 +265,6 @@ def _as_the_whole_batch(
   mesh: Any,
   axes: tuple[str, ...],
   explicit: bool,
-  rewrite: Callable[[Any], Any] | None,
   error: Exception,
 ) -> Any:
   """The loop over the sharded batch, as the whole batch's step would run.
@@ -292,7 +291,7 @@ def _as_the_whole_batch(
       args[i],
     )
   try:
-    out = _loop.run(config, at, args, kwargs, rewrite=rewrite)
+    out = _loop.run(config, at, args, kwargs)
   except Exception as whole_batch_error:
     raise whole_batch_error from error
   first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -318,7 +317,6 @@ def run(
   mesh: Any,
   axes: tuple[str, ...],
   param_specs: Any = None,
-  rewrite: Callable[[Any], Any] | None = None,
   unsharded_meaning: bool = False,
 ) -> Any:
   """Every device accumulates K micro-batches of its rows; one reduction after.
@@ -379,9 +377,7 @@ def run(
       treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
     )
     local_config = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
-    local = _loop.scan(
-      local_config, at, local_args, local_kwargs, axes=axes, rewrite=rewrite
-    )
+    local = _loop.scan(local_config, at, local_args, local_kwargs, axes=axes)
     found.append(local)
     # Each device's carry, stacked over the devices: nothing moves.
     return jax.tree.map(
@@ -408,7 +404,7 @@ def run(
     per_device_error = None
   if per_device_error is not None:
     return _as_the_whole_batch(
-      config, at, args, kwargs, mesh, axes, explicit, rewrite, per_device_error
+      config, at, args, kwargs, mesh, axes, explicit, per_device_error
     )
   local = found[0]
   rows = batch_size // per_step
@@ -582,7 +578,6 @@ def data_parallel(
       mesh=the_mesh,
       axes=axes,
       param_specs=param_specs,
-      rewrite=_loop.default_rewrite(),
     )
 
   return parallel

@@ -401,3 +401,46 @@ def test_property_matches_whole_batch(problem):
     grad_fn = jax.value_and_grad(tree_loss)
     got = jax.jit(jaccum.accumulate(grad_fn, num_microbatches, split=split))(params, xs)
     assert_trees_close(got, jax.jit(grad_fn)(params, xs), rtol=1e-12)
+
+
+@pytest.mark.parametrize("route", ["accumulate", "data_parallel"])
+def test_conv_rewrite_false_leaves_the_traced_convolutions_as_they_are(route):
+  """On CPU the loop body's convolutions are rewritten unless conv_rewrite=False."""
+
+  def loss(kernel, x):  # NCHW, as PyTorch ports write it: never canonical
+    h = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME")
+    return jnp.mean(jnp.tanh(h) ** 2)
+
+  kernel = jax.random.normal(jax.random.key(0), (4, 3, 3, 3))
+  x = jax.random.normal(jax.random.key(1), (16, 3, 6, 6))
+  mesh = jax.make_mesh((8,), ("data",))
+
+  def step(**options):
+    if route == "accumulate":
+      return jax.jit(jaccum.accumulate(jax.grad(loss), 2, **options))
+    return jax.jit(jaccum.data_parallel(jax.grad(loss), 2, mesh=mesh, **options))
+
+  def loop_labels(step):
+    text = step.lower(kernel, x).compile().as_text()
+    bodies = {
+      line.split("body=")[1].split(",")[0].strip("%")
+      for line in text.splitlines()
+      if " while(" in line
+    }
+    labels, current = set(), None
+    for line in text.splitlines():
+      if not line.startswith(" ") and "{" in line:
+        current = line.split()[0].strip("%")
+      elif current in bodies and "dim_labels=" in line:
+        labels.add(line.split("dim_labels=")[1].split(",")[0])
+    return labels
+
+  expected = jax.grad(loss)(kernel, x)
+  for options, canonical in (({}, True), ({"conv_rewrite": False}, False)):
+    accumulated = step(**options)
+    assert_trees_close(accumulated(kernel, x), expected, rtol=1e-5)
+    labels = loop_labels(accumulated)
+    assert labels, "no convolution found in the loop body"
+    assert (labels == {"b01f_01io->b01f"}) is canonical, labels
+  with pytest.raises(TypeError, match="conv_rewrite must be True or False"):
+    jaccum.accumulate(jax.grad(loss), 2, conv_rewrite="no")
