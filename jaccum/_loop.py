@@ -18,7 +18,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _conv_layout, _reduce, _stats
+from jaccum import _collective, _conv_layout, _jaxpr, _reduce, _stats
 from jaccum._config import Config, Positions, call_weight_fn
 from jaccum._microbatch import check_batch, take_microbatch
 
@@ -259,6 +259,7 @@ def scan(
   out_tree = jax.tree.structure(shapes)
   if axes is not None:
     _check_closures(closed, [args[i] for i in at.batch], axes)
+    closed = _jaxpr.strip_constraints(closed, axes)
   if (rewrite := default_rewrite(config)) is not None:
     closed = rewrite(closed)
 

@@ -54,6 +54,7 @@ import numpy as np
 
 from jaccum import _collective, _config, _loop, _reduce, _stats
 from jaccum._config import Config, Positions
+from jaccum._jaxpr import spec_axes, without_axes
 
 P = jax.sharding.PartitionSpec
 AxisType = jax.sharding.AxisType
@@ -61,11 +62,6 @@ AxisType = jax.sharding.AxisType
 
 def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
-
-
-def spec_axes(entry: Any) -> tuple[str, ...]:
-  """The mesh axes one `PartitionSpec` entry names: None, a name or a tuple."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _spec_of(x: Any) -> P | None:
@@ -77,12 +73,6 @@ def _spec_of(x: Any) -> P | None:
   if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
     return None
   return getattr(sharding, "spec", None)
-
-
-def _without(spec: P, axes: tuple[str, ...]) -> P:
-  """`spec` with `axes` removed: the layout of a leaf gathered over `axes`."""
-  kept = [tuple(a for a in spec_axes(e) if a not in axes) or None for e in spec]
-  return P(*(e[0] if e and len(e) == 1 else e for e in kept))
 
 
 def _sharded_dim(spec: P, axes: tuple[str, ...]) -> int | None:
@@ -251,7 +241,7 @@ def _placed_inputs(
         x = _place(x, mesh, spec, explicit)
       own = spec if spec is not None else _spec_of(x) if explicit else None
       if own is not None and any(set(spec_axes(e)) & set(axes) for e in own):
-        x = _place(x, mesh, _without(own, axes), explicit)
+        x = _place(x, mesh, without_axes(own, axes), explicit)
     placed.append(x)
     in_specs.append(P(axes) if batch else P())
   return placed, in_specs

@@ -1,5 +1,7 @@
 """Distributed accumulation on 8 simulated CPU devices: exact, one reduction a step."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -307,3 +309,96 @@ def test_errors_name_the_problem(problem):
       batch_argnums=(1, 2),
       param_specs={"w": P(("data", "x")), "b": P(), "v": P()},
     )(params, x, y)
+
+
+# Code that names the data axis, under data_parallel: each device runs its own
+# rows under shard_map, so collectives over the axis mean "across devices".
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_synchronised_batchnorm_by_pmean_is_the_unsharded_accumulation(kind, problem):
+  """pmean over "data" averages each micro-batch's statistics over its devices.
+
+  With the strided split, micro-batch k of every device together is the
+  unsharded micro-batch k: synchronised statistics are those of the
+  one-device accumulation, at one all-reduce per micro-batch.
+  """
+  _, x, _ = problem
+  w = jnp.linspace(-1, 1, 8)
+
+  def normalised(w, x, mean_over_devices):
+    h = jnp.tanh(x * w)
+    mean = mean_over_devices(jnp.mean(h, axis=0))
+    return jnp.mean((h - mean) ** 2)
+
+  sync = lambda w, x: normalised(w, x, lambda m: jax.lax.pmean(m, "data"))
+  local = lambda w, x: normalised(w, x, lambda m: m)
+  mesh = mesh_of(kind)
+  step = jax.jit(jaccum.data_parallel(jax.value_and_grad(sync), 2, mesh=mesh))
+  x_sharded = shard_batch(mesh, x)[0]
+  expected = jax.jit(jaccum.accumulate(jax.value_and_grad(local), 2))(w, x)
+  assert_trees_close(step(w, x_sharded), expected, rtol=1e-5)
+  counts = jaccum.inspect.collectives(step, w, x_sharded)
+  assert counts.all_reduce.inside_loops >= 1  # asked for: the statistics' pmean
+  assert counts.all_reduce.outside_loops == 1
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_axis_index_names_each_device(kind, problem):
+  _, x, _ = problem
+  mesh = mesh_of(kind)
+  index = lambda w, x: jnp.full(x.shape[:1], jax.lax.axis_index("data"))
+  step = jax.jit(jaccum.data_parallel(index, 2, mesh=mesh, reduce="concat"))
+  got = step(jnp.ones(8), shard_batch(mesh, x)[0])
+  np.testing.assert_array_equal(got, np.repeat(np.arange(DEVICES), BATCH // DEVICES))
+
+
+def test_sharding_constraints_on_activations_drop_the_data_axis(problem):
+  """MaxText-style constraints naming "data" run per device, with no collective.
+
+  On a ("data", "model") mesh the constraint keeps its "model" part: the
+  hidden layer is split over "model" inside the loop, and its row-parallel
+  matmul all-reduces over "model" as the whole batch's does, while nothing
+  crosses "data" until the one reduction after the loop.
+  """
+  params, x, y = problem
+  for shape, spec in (((8,), P("data", None)), ((4, 2), P("data", "model"))):
+    names = ("data", "model")[: len(shape)]
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+    def constrained(params, x, y, mesh=mesh, spec=spec):
+      hidden = jnp.tanh(x @ params["w"] + params["b"])
+      hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, spec))
+      return jnp.mean((hidden @ params["v"] - y) ** 2)
+
+    step = jax.jit(
+      jaccum.data_parallel(jax.grad(constrained), 2, mesh=mesh, batch_argnums=(1, 2))
+    )
+    batch = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # runs per device: no fallback, no warning
+      got = step(params, *batch)
+    assert_trees_close(got, jax.grad(loss)(params, x, y), rtol=1e-5)
+    counts = jaccum.inspect.collectives(step, params, *batch)
+    # Inside the loop: only what the model axis needs, as in the whole batch.
+    model_parallel = len(shape) == 2
+    assert counts.all_reduce.inside_loops == int(model_parallel), counts
+
+
+def test_reshard_of_an_activation_on_an_explicit_mesh_runs_as_the_whole_batch(problem):
+  """shard_map refuses it per device: the loop runs as the whole batch's, warned."""
+  params, x, y = problem
+  mesh = mesh_of(AxisType.Explicit)
+
+  def resharded(params, x, y):
+    hidden = jnp.tanh(x @ params["w"] + params["b"])
+    hidden = jax.sharding.reshard(hidden, NamedSharding(mesh, P("data")))
+    return jnp.mean((hidden @ params["v"] - y) ** 2)
+
+  placed = jax.device_put(params, NamedSharding(mesh, P()))
+  step = jax.jit(
+    jaccum.data_parallel(jax.grad(resharded), 2, mesh=mesh, batch_argnums=(1, 2))
+  )
+  with pytest.warns(UserWarning, match="runs the loop as the whole batch's step runs"):
+    got = step(placed, *shard_batch(mesh, x, y))
+  assert_trees_close(got, jax.grad(loss)(params, x, y), rtol=1e-5)
