@@ -290,9 +290,9 @@ def _as_the_whole_batch(
     f"({type(error).__name__}: {first_line[:300]}), so it runs the loop as the "
     f"whole batch's step runs, sharded over {axes}: the result is the same, but "
     f"XLA may communicate inside the loop (check with "
-    f"jaccum.inspect.collectives). On an explicit mesh the usual cause is an "
-    f"array grad_fn closes over that is placed on the mesh: pass it as an "
-    f"argument or keyword instead, and the loop runs with no communication.",
+    f"jaccum.inspect.collectives). The usual cause is an array that grad_fn "
+    f"closes over (on an explicit mesh, any array placed on the mesh): pass it "
+    f"as an argument or keyword instead, and the loop runs per device.",
     stacklevel=4,
   )
   return out
