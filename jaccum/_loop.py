@@ -178,7 +178,7 @@ class Local(NamedTuple):
     out_shape: one micro-step's output shapes.
     grad_mask: bools like the output, True on gradient leaves.
     acc: the carry after the last micro-batch.
-    total: the summed weight (float32 at least), or None without `weight_fn`.
+    total: the weights (`_reduce.Weights`), or None without `weight_fn`.
     state: the threaded state after the last micro-batch, or None.
     stats: with `return_stats`, `(Σ_k w_k |g_k|², K')` over this device's
       micro-batches (w_k the weight, or the rows without `weight_fn`; K'
@@ -190,7 +190,7 @@ class Local(NamedTuple):
   out_shape: Any
   grad_mask: Any
   acc: Any
-  total: jax.Array | None
+  total: _reduce.Weights | None
   state: Any
   stats: tuple[jax.Array, jax.Array] | None
   unit_weight: int
@@ -329,7 +329,8 @@ def scan(
   )
   total0 = None
   if weight_shape is not None:
-    total0 = _reduce.zeros(jnp.promote_types(weight_shape.dtype, jnp.float32))
+    dtype = _reduce.weights_dtype(weight_shape.dtype, leaves)
+    total0 = _reduce.Weights(_reduce.zeros(dtype), _reduce.zeros(dtype))
   stats0 = None
   if config.return_stats:
     summed = [
@@ -347,7 +348,7 @@ def scan(
         f"micro-batch's examples (or weight units): the gradient leaves must be "
         f'reduced with "mean", got {sorted(set(summed))}. For a loss summed '
         f"over examples, divide it by the micro-batch's size (or, with "
-        f"weight_fn, its total weight) and keep reduce=\"mean\"."
+        f'weight_fn, its total weight) and keep reduce="mean".'
       )
     stats0 = (_reduce.zeros(jnp.float32), _reduce.zeros(jnp.float32))
     if axes is not None:
@@ -364,9 +365,10 @@ def scan(
     out, state, weight = jax.tree.unflatten(out_tree, flat_out)
     # A weight_fn returning a Python number (len(x)) comes back as a literal.
     weight = None if weight is None else jnp.asarray(weight)
+    before = total
     if weight is not None:
-      total = total + weight.astype(total.dtype)
-    acc = _reduce.update(leaves, acc, out, index, weight, total)
+      total = _reduce.add_weight(total, weight)
+    acc = _reduce.update(leaves, acc, out, index, weight, before, total)
     if stats is not None:
       # One scalar per micro-step: the gradient noise scale needs nothing else.
       w = jnp.asarray(rows if weight is None else weight, jnp.float32)
@@ -379,7 +381,11 @@ def scan(
   carry0 = (
     _collective.match_varying(acc0, out_shape),
     state0,
-    None if total0 is None else _collective.match_varying(total0, weight_shape),
+    None
+    if total0 is None
+    else _collective.match_varying(
+      total0, jax.tree.map(lambda _: weight_shape, total0)
+    ),
     stats0,
   )
   if num_microbatches == 1:
@@ -454,14 +460,20 @@ def run(
     num_terms *= check_axes_bound(config.axes)
   check_two_sizes(config, num_terms // config.num_microbatches)
   local = scan(config, at, args, kwargs, axes=config.axes)
-  acc, total, state = local.acc, local.total, local.state
+  acc, weights, state = local.acc, local.total, local.state
   extras = list(local.stats or ())
+  total = None if weights is None else weights.total
   if config.axes is not None:
     acc, total, state, extras = _collective.all_reduce(
-      local.leaves, acc, total, state, config.axes, extras=extras
+      local.leaves, acc, weights, state, config.axes, extras=extras
     )
+    weights = None  # combined: the weighted means are final
   result = _reduce.finalize(
-    local.leaves, acc, None if total is not None else num_terms, config.split
+    local.leaves,
+    acc,
+    None if total is not None else num_terms,
+    config.split,
+    weights,
   )
   out = result if at.state is None else (result, state)
   if not config.return_stats:
