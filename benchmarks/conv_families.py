@@ -285,7 +285,9 @@ def variants(problem: Problem, num_microbatches: int) -> dict[str, Any]:
   return {
     "whole": plain(jax.jit(grad_fn)),
     "jaccum": plain(accumulated()),
-    "no rewrite": _traced_with_rule(accumulated, lambda eqn: False),
+    "no rewrite": plain(
+      jax.jit(jaccum.accumulate(grad_fn, num_microbatches, conv_rewrite=False))
+    ),
     "rewrite all": _traced_with_rule(accumulated, lambda eqn: True),
     "optax.microbatch": plain(jax.jit(optax_fn)),
   }

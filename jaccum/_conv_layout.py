@@ -43,7 +43,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+
+from jaccum import _jaxpr
 
 _Orders = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
@@ -187,56 +189,6 @@ def _rewrite_conv(eqn: JaxprEqn) -> list[JaxprEqn]:
   ]
 
 
-class _Rewriter:
-  """Rewrites a jaxpr and every jaxpr nested in its equations' params.
-
-  Nested programs (jit, remat, custom_jvp/vjp, cond, scan, while, shard_map,
-  ...) hold their bodies as `Jaxpr` or `ClosedJaxpr` params, alone or in a
-  tuple (cond's branches). Their types do not change, so the equations holding
-  them stay valid. Params of any other kind, such as custom_jvp's rule (a
-  Python callable), are left as they are: they compute the same values. A
-  jaxpr that several equations share is rewritten once and stays shared.
-  """
-
-  def __init__(self):
-    # id(program) -> (program, rewritten); holding the program keeps its id.
-    self._done: dict[int, tuple[Any, Any]] = {}
-
-  def program(self, program: Jaxpr | ClosedJaxpr) -> Any:
-    if id(program) not in self._done:
-      if isinstance(program, ClosedJaxpr):
-        jaxpr = self.program(program.jaxpr)
-        new = program if jaxpr is program.jaxpr else program.replace(jaxpr=jaxpr)
-      else:
-        new = self._jaxpr(program)
-      self._done[id(program)] = (program, new)
-    return self._done[id(program)][1]
-
-  def _jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
-    eqns: list[JaxprEqn] = []
-    for eqn in jaxpr.eqns:
-      if _needs_rewrite(eqn):
-        eqns.extend(_rewrite_conv(eqn))
-        continue
-      params = {name: self._param(value) for name, value in eqn.params.items()}
-      changed = any(params[name] is not value for name, value in eqn.params.items())
-      eqns.append(eqn.replace(params=params) if changed else eqn)
-    unchanged = len(eqns) == len(jaxpr.eqns) and all(
-      new is old for new, old in zip(eqns, jaxpr.eqns, strict=True)
-    )
-    return jaxpr if unchanged else jaxpr.replace(eqns=eqns)
-
-  def _param(self, value: Any) -> Any:
-    if isinstance(value, Jaxpr | ClosedJaxpr):
-      return self.program(value)
-    if isinstance(value, tuple) and any(
-      isinstance(v, Jaxpr | ClosedJaxpr) for v in value
-    ):
-      new = tuple(self._param(v) for v in value)
-      return value if all(a is b for a, b in zip(new, value, strict=True)) else new
-    return value
-
-
 def canonicalize_convolutions(closed: ClosedJaxpr) -> ClosedJaxpr:
   """Returns `closed` with its convolutions in XLA:CPU's canonical layout.
 
@@ -268,4 +220,6 @@ def canonicalize_convolutions(closed: ClosedJaxpr) -> ClosedJaxpr:
     >>> bool(jnp.allclose(out, conv(x, w)))
     True
   """
-  return _Rewriter().program(closed)
+  return _jaxpr.rewrite_eqns(
+    closed, lambda eqn: _rewrite_conv(eqn) if _needs_rewrite(eqn) else None
+  )
