@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class AccumulationStats(NamedTuple):
@@ -114,8 +115,12 @@ def estimate(
   total, big = f32(total_weight), f32(grad_sq_norm)
   small = f32(weighted_sq_sum) / total
   b_small, b_big = total / f32(num_weighted), total
-  true = (b_big * big - b_small * small) / (b_big - b_small)
-  trace = (small - big) / (1 / b_small - 1 / b_big)
+  # Two batch sizes need two micro-batches of nonzero weight; with fewer the
+  # estimates are undefined (0/0 or x/0): NaN, never ±inf.
+  defined = (f32(num_weighted) >= 2) & (total != 0)
+  nan = jnp.float32(jnp.nan)
+  true = jnp.where(defined, (b_big * big - b_small * small) / (b_big - b_small), nan)
+  trace = jnp.where(defined, (small - big) / (1 / b_small - 1 / b_big), nan)
   return AccumulationStats(
     micro_grad_sq_norm=small,
     grad_sq_norm=big,
@@ -204,7 +209,9 @@ class NoiseScaleEMA:
   decay: float = 0.99
 
   def __post_init__(self) -> None:
-    if isinstance(self.decay, bool) or not isinstance(self.decay, int | float):
+    if isinstance(self.decay, bool | np.bool_) or not isinstance(
+      self.decay, int | float | np.integer | np.floating
+    ):
       raise TypeError(f"decay must be a float in [0, 1), got {self.decay!r}.")
     if not 0 <= self.decay < 1:
       raise ValueError(
@@ -239,7 +246,12 @@ class NoiseScaleEMA:
     count = state.count + finite.astype(jnp.int32)
     # The bias-corrected EMA, updated in place: m_t = m_{t-1} + r_t (x_t - m_{t-1})
     # with r_t = (1 - decay) / (1 - decay^t) equals Adam's m_t / (1 - decay^t).
-    rate = (1 - self.decay) / (1 - jnp.float32(self.decay) ** count.astype(jnp.float32))
+    # Both terms from the same float32 decay, each as expm1(t log decay): at a
+    # decay of 0.9999 and up, 1 - decay is cancellation in float32, and one
+    # term in float64 beside the other in float32 put r_1 off 1 by 1e-4 to 1e-2.
+    log_decay = jnp.log(jnp.float32(self.decay))
+    steps = jnp.maximum(count, 1).astype(jnp.float32)
+    rate = jnp.expm1(log_decay) / jnp.expm1(steps * log_decay)
     rate = jnp.where(finite, rate, 0)
     move = lambda old, new: old + rate * (jnp.where(finite, new, old) - old)
     new_state = NoiseScaleEMAState(
