@@ -402,3 +402,49 @@ def test_reshard_of_an_activation_on_an_explicit_mesh_runs_as_the_whole_batch(pr
   with pytest.warns(UserWarning, match="runs the loop as the whole batch's step runs"):
     got = step(placed, *shard_batch(mesh, x, y))
   assert_trees_close(got, jax.grad(loss)(params, x, y), rtol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["data_parallel", "explicit-jit", "shard_map"])
+def test_a_key_threaded_as_state_comes_back_as_one_device_leaves_it(route, problem):
+  """Device 0 draws as one device would; the others fold in their index.
+
+  Before, the key came back as device 0's key folded with its index, while
+  the data-parallel guide said keys advance exactly as unsharded.
+  """
+  _, x, _ = problem
+  w = jnp.linspace(-1, 1, 8)
+
+  def grad_fn(w, key, x):
+    key, sub = jax.random.split(key)
+    noise = jax.random.normal(sub, x.shape[:1])
+    return (jax.grad(lambda w: jnp.mean(jnp.tanh(x * w) ** 2))(w), noise), key
+
+  options = dict(batch_argnums=2, state_argnum=1, reduce=("mean", "concat"))
+  key = jax.random.key(7)
+  one_device = jax.jit(jaccum.accumulate(grad_fn, 2, **options))
+  (grads_one, _), key_one = one_device(w, key, x)
+  mesh = mesh_of(AxisType.Explicit)
+  x_sharded = shard_batch(mesh, x)[0]
+  if route == "data_parallel":
+    step = jax.jit(jaccum.data_parallel(grad_fn, 2, mesh=mesh, **options))
+  elif route == "explicit-jit":
+    step = jax.jit(jaccum.accumulate(grad_fn, 2, **options))
+  else:
+    step = jax.jit(
+      jax.shard_map(
+        jaccum.accumulate(grad_fn, 2, axis_name="data", **options),
+        mesh=mesh,
+        in_specs=(P(), P(), P("data")),
+        out_specs=((P(), P("data")), P()),
+      )
+    )
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the explicit route's per-device state note
+    (grads, noise), new_key = step(w, key, x_sharded)
+  np.testing.assert_array_equal(
+    jax.random.key_data(new_key), jax.random.key_data(key_one)
+  )
+  assert_trees_close(grads, grads_one, rtol=1e-5)
+  # Every device drew its own numbers: no two devices' rows repeat.
+  per_device = np.asarray(noise).reshape(DEVICES, -1)
+  assert len({tuple(np.round(rows, 6)) for rows in per_device}) == DEVICES
