@@ -399,6 +399,45 @@ def scan(
   return Local(leaves, out_shape, grad_mask, acc, total, state, stats, rows)
 
 
+def output_shapes_at(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  rows: int,
+) -> Any:
+  """The shapes of `grad_fn`'s output on a micro-batch of `rows` rows.
+
+  Abstract (nothing runs): it tells per-example outputs, whose leading size
+  follows the rows, from values that only happen to have that size.
+  """
+  call = list(args)
+  for i in at.batch:
+    call[i] = jax.tree.map(
+      lambda x: (
+        jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)
+        if isinstance(x, ARRAY_TYPES)
+        else x
+      ),
+      args[i],
+    )
+  flat, treedef = jax.tree.flatten((call, kwargs))
+  dynamic = [isinstance(x, (*ARRAY_TYPES, jax.ShapeDtypeStruct)) for x in flat]
+
+  def micro_step(*values):
+    it = iter(values)
+    full = [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
+    step_args, step_kwargs = jax.tree.unflatten(treedef, full)
+    out = config.grad_fn(
+      *config.bound_args, *step_args, **{**config.bound_kwargs, **step_kwargs}
+    )
+    return out[0] if at.state is not None else out
+
+  return jax.eval_shape(
+    micro_step, *(x for x, d in zip(flat, dynamic, strict=True) if d)
+  )
+
+
 def default_rewrite(config: Config) -> Callable[[Any], Any] | None:
   """The rewrite the traced micro-step gets on the default backend, if any.
 

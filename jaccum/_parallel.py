@@ -186,11 +186,27 @@ def _fsdp_specs(
 
 
 def _check_per_device_leaves(
-  local: _loop.Local, rows: int, axes: tuple[str, ...], contiguous: bool
+  local: _loop.Local,
+  rows: int,
+  axes: tuple[str, ...],
+  contiguous: bool,
+  shapes_at: Callable[[int], Any],
 ) -> None:
-  for path, leaf in jax.tree_util.tree_flatten_with_path(
-    local.leaves, is_leaf=_reduce.is_plan
-  )[0]:
+  """Refuses `"last"` and `"concat"` leaves that are not one row per example.
+
+  Every device returns its own rows of them, so only per-example rows make
+  one array. A leaf whose leading size is the per-device micro-batch's may
+  still only happen to have it: `shapes_at(n)` (the output's shapes on n
+  rows, traced abstractly) tells, where any such leaf exists.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(local.leaves, is_leaf=_reduce.is_plan)[0]
+  bigger = None
+  if any(p.mode in ("last", "concat") and p.shape[:1] == (rows,) for _, p in flat):
+    try:
+      bigger = jax.tree.leaves(shapes_at(2 * rows))
+    except Exception:  # the function cannot run on other sizes: cannot tell
+      bigger = None
+  for index, (path, leaf) in enumerate(flat):
     if leaf.mode == "last" and contiguous:
       raise ValueError(
         f'reduce="last" at output{jax.tree_util.keystr(path)} with split="contiguous" '
@@ -199,13 +215,22 @@ def _check_per_device_leaves(
         f'cannot return it. Use split="strided" (its last micro-batch spans all '
         f"devices), or jaccum.data_parallel for each device's own last micro-batch."
       )
-    if leaf.mode == "last" and leaf.shape[:1] != (rows,):
+    per_example = leaf.shape[:1] == (rows,) and (
+      bigger is None or bigger[index].shape[:1] == (2 * rows,)
+    )
+    if leaf.mode in ("last", "concat") and not per_example:
+      follows = (
+        f" (its leading size stays {rows} on a micro-batch of {2 * rows} rows: it "
+        f"only happens to match the {rows} rows per device)"
+        if leaf.shape[:1] == (rows,)
+        else ""
+      )
       raise ValueError(
-        f'reduce="last" at output{jax.tree_util.keystr(path)} (shape {leaf.shape}) '
-        f"needs one row per example: with the batch split over {axes}, every device "
-        f"runs its own last micro-batch, and their rows are returned together. A "
-        f"value that is not per-example has no whole-batch meaning here; reduce it "
-        f'with "mean", "max" or "min".'
+        f'reduce="{leaf.mode}" at output{jax.tree_util.keystr(path)} (shape '
+        f"{leaf.shape}) needs one row per example{follows}: with the batch split "
+        f"over {axes}, every device runs its own micro-batches, and their rows are "
+        f"returned together. A value that is not per-example has no whole-batch "
+        f'meaning here; reduce it with "mean", "max" or "min".'
       )
 
 
@@ -408,7 +433,11 @@ def run(
   local = found[0]
   rows = batch_size // per_step
   _check_per_device_leaves(
-    local, rows, axes, unsharded_meaning and config.split == "contiguous"
+    local,
+    rows,
+    axes,
+    unsharded_meaning and config.split == "contiguous",
+    lambda n: _loop.output_shapes_at(config, at, args, kwargs, n),
   )
 
   plans = jax.tree.leaves(local.leaves, is_leaf=_reduce.is_plan)

@@ -533,3 +533,35 @@ def test_weight_fn_may_return_a_python_number():
   """len(x) or x.shape[0]: a literal in the traced program, still a weight."""
   got = jaccum.accumulate(jax.grad(loss), 4, weight_fn=lambda w, x: x.shape[0])(W, X)
   assert_trees_close(got, WHOLE, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "route", ["data_parallel-auto", "data_parallel-explicit", "explicit-jit"]
+)
+@pytest.mark.parametrize("mode", ["last", "concat"])
+def test_a_value_that_only_happens_to_have_the_rows_per_device_is_refused(route, mode):
+  """A (4, 3) value with 4 rows per micro-batch and device: not per-example.
+
+  Before, it came back stacked over devices, (32, 3) where one device gives
+  (4, 3), on an auto mesh, and failed with JAX's internal in_specs error on
+  an explicit one. Per-example rows still come back together.
+  """
+  kind = AxisType.Auto if route.endswith("auto") else AxisType.Explicit
+  mesh = mesh_of(kind)
+  x = sharded(mesh, X)  # 64 rows: 8 devices × K=2 × 4 rows
+  table = jnp.ones((4, 3))
+
+  def make(fn):
+    if route == "explicit-jit":
+      return jax.jit(jaccum.accumulate(fn, 2, reduce=mode))
+    return jax.jit(jaccum.data_parallel(fn, 2, mesh=mesh, reduce=mode))
+
+  not_per_example = lambda table, x: table * jnp.mean(x)
+  with pytest.raises(ValueError, match=r"only happens to match the 4 rows per device"):
+    make(not_per_example)(table, x)
+  per_example = lambda table, x: x[:, :3] * table[0]
+  got = make(per_example)(table, x)
+  if mode == "concat":
+    np.testing.assert_allclose(got, np.asarray(X)[:, :3], rtol=1e-6)
+  else:  # each device's last micro-batch: its odd rows, so the batch's odd rows
+    np.testing.assert_allclose(got, np.asarray(X)[1::2, :3], rtol=1e-6)
