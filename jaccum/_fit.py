@@ -272,6 +272,10 @@ def _search(
 
   fitting = [k for k in candidates if k in stats and peak(k) <= budget]
   if not fitting:
+    # Before saying none fits, check the ones the search skipped: memory need
+    # not fall with K (a middle K may fit where both ends are over budget).
+    fitting = [k for k in candidates if peak(k) <= budget][:1]
+  if not fitting:
     raise ValueError(_no_fit_message(stats, budget))
   chosen = fitting[0]
   return MicrobatchFit(
@@ -322,7 +326,8 @@ def fit_microbatches(
   arguments may be `jax.ShapeDtypeStruct` objects. Where memory falls as K grows it
   compiles O(log n) of the n candidates (at most ⌈log2 n⌉ + 2); where the
   figures it compiled show memory rising with K, it compiles the remaining
-  candidates in increasing order up to the first that fits.
+  candidates in increasing order up to the first that fits. Before it says
+  that none fits, it compiles every candidate it skipped.
 
   With any of `data_parallel`'s options (`mesh`, `axis`, `param_specs`) it
   fits `jax.jit(data_parallel(grad_fn, K, ...))` instead: K is then the
@@ -365,6 +370,11 @@ def fit_microbatches(
   budget = _budget_bytes(memory_budget)
   batch_argnums = accumulate_kwargs.get("batch_argnums", 1)
   batch_size = _batch_size(args, batch_argnums)
+  if batch_size == 0:
+    raise ValueError(
+      f"the batch (args[{batch_argnums}]) has 0 rows: there is nothing to split "
+      "into micro-batches; pass a batch with at least one row."
+    )
   what = f"the batch size {batch_size}"
   argnum = batch_argnums if _is_int(batch_argnums) else batch_argnums[0]
   # A batch sharded over explicit mesh axes makes plain accumulate loop on
@@ -384,6 +394,14 @@ def fit_microbatches(
     what += f" over {shards} devices)"
     batch_size //= shards
   candidates = _check_candidates(candidates, batch_size, what)
+  if accumulate_kwargs.get("return_stats") and shards == 1 and 1 in candidates:
+    # The noise scale needs two batch sizes: K = 1 on one device has one.
+    if candidates == [1]:
+      raise ValueError(
+        "return_stats=True needs K >= 2 on one device (two batch sizes), and the "
+        f"only candidate is K=1: {what} has no other divisor."
+      )
+    candidates = [k for k in candidates if k != 1]
   return _search(
     lambda k: jax.jit(transform(grad_fn, k, **accumulate_kwargs)),
     args,
