@@ -113,8 +113,9 @@ def accumulate(
       returned, and the result is `(reduced_out, final_state)`. Stateful
       layers therefore advance K times per step (BatchNorm's running averages
       take K updates of momentum, a step counter counts micro-batches).
-    axis_name: for use inside your own `shard_map` (or `pmap`): the mesh axis
-      (or axes) the batch is split over. Each device accumulates its own K
+    axis_name: for use inside your own `shard_map` (or `pmap`, or a `vmap`
+      with `axis_name`): the mesh axis (or axes) the batch is split over.
+      Each device (or vmapped instance) accumulates its own K
       micro-batches with no communication in the loop (non-batch arguments
       and keyword arguments are cast to device-varying first, so no psum
       enters the backward pass), then one all-reduce combines the devices:

@@ -29,12 +29,17 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 
 def cast_varying(tree: Any, axes: Sequence[str] | frozenset[str]) -> Any:
-  """Casts every array leaf of `tree` to vary over `axes` (a no-op where it does)."""
+  """Casts every array leaf of `tree` to vary over `axes` (a no-op where it does).
+
+  Only manual axes (`shard_map`, `pmap`) type values as varying; over a
+  `vmap` axis nothing is cast.
+  """
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
 
   def cast(x):
     if not isinstance(x, jax.Array):
       return x
-    missing = tuple(a for a in axes if a not in varying_axes(x))
+    missing = tuple(a for a in axes if a in manual and a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)

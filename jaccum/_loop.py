@@ -18,7 +18,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _conv_layout, _jaxpr, _reduce, _stats
+from jaccum import _collective, _config, _conv_layout, _jaxpr, _reduce, _stats
 from jaccum._config import Config, Positions, call_weight_fn
 from jaccum._microbatch import check_batch, take_microbatch
 
@@ -250,6 +250,7 @@ def scan(
     [args[i] for i in at.batch],
     num_microbatches,
     names=[f"args[{i}]" for i in at.batch],
+    hint=_config.batch_hint(config, at),
   )
   args = list(args)
   extras = (config.bound_args, {**config.bound_kwargs, **kwargs})

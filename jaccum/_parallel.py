@@ -142,6 +142,7 @@ def _fsdp_specs(
   at: Positions,
   axes: tuple[str, ...],
   explicit: bool,
+  mesh_shape: Any,
 ) -> list[P | None] | None:
   """Per leaf of the params (argument 0): its FSDP spec, or None; None if no FSDP."""
   if param_specs is None and not explicit:
@@ -182,6 +183,18 @@ def _fsdp_specs(
         "those axes out of param_specs."
       )
     _sharded_dim(spec, axes)
+  num_devices = math.prod(mesh_shape[a] for a in axes)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, leaf), spec in zip(flat, specs, strict=True):
+    dim = None if spec is None else _sharded_dim(spec, axes)
+    if dim is not None and np.shape(leaf)[dim] % num_devices:
+      raise ValueError(
+        f"param_specs entry {spec} for args[0]{jax.tree_util.keystr(path)} (shape "
+        f"{np.shape(leaf)}) shards dimension {dim} of size {np.shape(leaf)[dim]} "
+        f"over the {num_devices} devices of {axes}, which do not divide it: shard "
+        f"a dimension whose size is a multiple of {num_devices}, or leave this "
+        "leaf replicated with P()."
+      )
   return specs
 
 
@@ -348,6 +361,7 @@ def run(
     [args[i] for i in at.batch],
     num_microbatches,
     names=[f"args[{i}]" for i in at.batch],
+    hint=_config.batch_hint(config, at),
   )
   per_step = num_devices * num_microbatches
   if batch_size % per_step:
@@ -368,7 +382,7 @@ def run(
     for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
     if n in axes
   )
-  specs = _fsdp_specs(param_specs, args, at, axes, explicit)
+  specs = _fsdp_specs(param_specs, args, at, axes, explicit, mesh.shape)
   _loop.check_two_sizes(config, num_devices)
 
   # Every array the micro-step can reach as an input crosses into the
