@@ -10,12 +10,27 @@ Parts, run in this order (`--parts` picks some):
   time, memory, compile time, time to first step; the plots come from it.
 * `loop` (`loop.py`): small micro-batches, the loop's cost per micro-batch
   against the micro-step itself and a bare `lax.scan`, and the loop body's HLO.
+* `conv` (`conv_families.py`): five families of convolutional networks
+  (ResNet with BatchNorm, MobileNet, 1-D, U-Net with transposed convolutions,
+  3-D) accumulated on CPU, with jaccum's convolution rule, with no rewrite,
+  with every convolution rewritten, and by optax.microbatch.
 * `multisteps` (`multisteps.py`): jaccum.MultiSteps vs optax.MultiSteps with
   Adam and Muon inner optimizers, time per mini-step, memory, buffer copies.
 * `precision` (`multisteps_precision.py`): the window mean's rounding error as K
   grows, float32 and bfloat16.
 * `distributed` (`distributed.py`, its own process): collectives inside and
   outside the loop and step time on 8 simulated CPU devices.
+
+Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`):
+
+* `python -m benchmarks.conv_kinds`: each kind of convolution in a loop body,
+  rewritten or as traced, the measurements behind the rule of
+  `jaccum/_conv_layout.py`;
+* `python -m benchmarks.conv_layout`: the tutorial CNN with and without the
+  rewrite, and its compile time over K;
+* `python -m benchmarks.profile_loop_ops`: ops a loop body runs slower than
+  the same ops unrolled;
+* `python -m benchmarks.pipeline`: `jaccum.pipeline`'s memory as K grows.
 
 Importing this package starts nothing: JAX is configured by the part that
 runs, so the distributed part can set its device count in its own process.

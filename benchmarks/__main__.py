@@ -1,8 +1,10 @@
 """`python -m benchmarks [--quick] [--parts ...]`: run the suite, write its results.
 
 Writes `suite.json` (every number, with the machine, versions, date and the
-load around each part), `suite.md` (the tables) and the sweep's PNG plots into
-`benchmarks/results/` (`benchmarks/results/quick/` with `--quick`).
+load around each part), `suite.md` (the tables) and the PNG plots of the sweep
+and the convolution part into `benchmarks/results/`
+(`benchmarks/results/quick/` with `--quick`). A run of some of the parts
+(`--parts`) replaces those in the folder's `suite.json` and keeps the others.
 `--report-only` redraws the tables and plots from an existing `suite.json`.
 """
 
@@ -33,6 +35,12 @@ def _loop(args: argparse.Namespace) -> dict[str, Any]:
   record = loop.run(args.quick, args.rounds or (10 if args.quick else 100))
   print(loop.table(record))
   return record
+
+
+def _conv(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import conv_families
+
+  return conv_families.run(args.quick, args.rounds or (5 if args.quick else 15))
 
 
 def _multisteps(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,6 +74,7 @@ def _distributed(args: argparse.Namespace) -> dict[str, Any]:
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
   "loop": _loop,
+  "conv": _conv,
   "multisteps": _multisteps,
   "precision": _precision,
   "distributed": _distributed,
@@ -79,6 +88,8 @@ def write_report(record: dict[str, Any], out: pathlib.Path) -> None:
   written = [out / "suite.md"]
   if "sweep" in record["parts"]:
     written += plots.plot_sweep(record, out)
+  if "families" in record["parts"].get("conv", {}):
+    written += plots.plot_conv(record, out)
   print("wrote " + ", ".join(str(p) for p in written))
 
 
@@ -118,29 +129,45 @@ def main() -> None:
   unknown = sorted(set(parts) - set(PARTS))
   if unknown:
     parser.error(f"unknown parts {unknown}; the parts are {list(PARTS)}")
+  command = " ".join(["python -m benchmarks", *sys.argv[1:]])
   record: dict[str, Any] = {
     "date": _record.now(),
     "machine": _record.machine(),
     "quick": args.quick,
-    "command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
+    "command": command,
     "parts": {},
   }
+  suite = args.out / "suite.json"
+  merged = False
+  if set(parts) < set(PARTS) and suite.exists():
+    earlier = json.loads(suite.read_text())
+    # Some parts, run again: they replace theirs in the folder's record and
+    # the others stay, so one part can be measured without the rest. The
+    # record's date, machine and command stay those of the earlier run; each
+    # part run since says its own.
+    merged = earlier["quick"] == args.quick
+    record = earlier if merged else record
   start = time.perf_counter()
   for name in (name for name in PARTS if name in parts):
     print(f"\n=== {name} ===", flush=True)
     load_before, part_start = _record.load(), time.perf_counter()
     cpu_start = time.process_time()
     result = PARTS[name](args)
+    if merged:
+      result |= {"date": _record.now(), "command": command}
+      result["machine"] = _record.machine()
     result["load_average"] = [load_before, _record.load()]
     result["seconds"] = time.perf_counter() - part_start
     # This process's CPU time (the distributed part's runs in a child).
     result["cpu_seconds"] = time.process_time() - cpu_start
     record["parts"][name] = result
-    record["seconds_total"] = time.perf_counter() - start
+    record["parts"] = {n: record["parts"][n] for n in PARTS if n in record["parts"]}
+    if not merged:
+      record["seconds_total"] = time.perf_counter() - start
     # Saved after every part: a failure later loses nothing measured.
     (args.out / "suite.json").write_text(json.dumps(record, indent=1) + "\n")
   print(
-    f"\n{len(record['parts'])} parts in {record['seconds_total']:.0f} s "
+    f"\n{len(parts)} parts in {time.perf_counter() - start:.0f} s "
     f"(load average now {os.getloadavg()[0]:.1f})"
   )
   write_report(record, args.out)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import pathlib
 import platform
 from typing import Any
 
@@ -12,6 +14,8 @@ import jax
 import optax
 
 import jaccum
+
+RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def machine() -> dict[str, Any]:
@@ -55,3 +59,25 @@ def caption(record: dict[str, Any]) -> str:
     f"flax {m['flax']}, optax {m['optax']}, jaccum {m['jaccum']}, "
     f"{record['date'][:10]}{', --quick' if record['quick'] else ''}"
   )
+
+
+def save(name: str, quick: bool, load_before: float, **record: Any) -> pathlib.Path:
+  """Writes a standalone script's `record` as `results/{name}.json`.
+
+  With `quick`, into `results/quick/`, which is not committed. The record
+  gets the date, the machine and the load average before and after the run:
+  ratios are measured side by side, single timings are not.
+  """
+  out = RESULTS / "quick" if quick else RESULTS
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / f"{name}.json"
+  record = {
+    "date": now(),
+    "machine": machine(),
+    "quick": quick,
+    "load_average": [load_before, load()],
+    **record,
+  }
+  path.write_text(json.dumps(record, indent=1) + "\n")
+  print(f"\nsaved {path}")
+  return path

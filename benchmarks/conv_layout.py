@@ -15,19 +15,20 @@ alternate within every round; ratios are medians of per-round ratios; "min"
 ratios compare each variant's fastest round, the least disturbed), and the
 compile time (trace, lower, compile) of "rewrite" at K=256 against K=2 on a
 batch of 512. Targets (issue 10): rewrite/whole <= 1.0, rewrite/optax <= 0.3,
-compile(K=256)/compile(K=2) <= 1.2.
+compile(K=256)/compile(K=2) <= 1.2. "rewrite" applies jaccum's rule, which
+rewrites every convolution of this CNN (2-D, ungrouped).
 
-    python benchmarks/conv_layout.py           # about 2 minutes on 2 cores
-    python benchmarks/conv_layout.py --quick   # fewer rounds
+    python -m benchmarks.conv_layout           # about 2 minutes on 2 cores
+    python -m benchmarks.conv_layout --quick   # fewer rounds
+
+Results: `benchmarks/results/conv_layout.json` (`results/quick/` with --quick).
 """
 
 import argparse
 import functools
 import os
-import pathlib
 import time
 
-import _record
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +37,7 @@ from flax import nnx
 from optax import microbatching
 from sklearn.datasets import load_digits
 
+from benchmarks import _record
 from jaccum._conv_layout import canonicalize_convolutions
 
 BATCH = 64
@@ -176,7 +178,6 @@ def compile_times(repeats, batch_size=512, ks=(2, 256)):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer rounds")
-  parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
   args = parser.parse_args()
   rounds, repeats = (9, 3) if args.quick else (31, 7)
   start, load_before = time.perf_counter(), os.getloadavg()
@@ -215,11 +216,9 @@ def main():
     f"{_record.machine()['cpu']}, {os.cpu_count()} cores, jax {jax.__version__}; "
     f"median of {rounds} rounds; {elapsed:.0f} s"
   )
-  out = (
-    args.out or _record.RESULTS / f"conv_layout{'-quick' if args.quick else ''}.json"
-  )
   _record.save(
-    out,
+    "conv_layout",
+    args.quick,
     load_before[0],
     rounds=rounds,
     batch_size=BATCH,

@@ -15,10 +15,11 @@ memory per device (`jaccum.inspect.memory`) in two settings:
   XLA reuses their buffers.
 * fixed batch (256 rows), K growing, so micro-batches shrink.
 
-    python benchmarks/pipeline.py          # about 2 minutes on 2 CPU cores
-    python benchmarks/pipeline.py --quick  # fewer K
+    python -m benchmarks.pipeline          # about 2 minutes on 2 CPU cores
+    python -m benchmarks.pipeline --quick  # fewer K
 
-The tables are printed and saved as JSON under benchmarks/results/.
+The tables are printed and saved as `benchmarks/results/pipeline.json`
+(`results/quick/` with --quick).
 """
 
 import argparse
@@ -28,11 +29,11 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any JAX computation
 
-import _record  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaccum  # noqa: E402
 import jaccum.inspect  # noqa: E402
+from benchmarks import _record  # noqa: E402
 
 NUM_STAGES = 4
 WIDTH = 64
@@ -116,9 +117,9 @@ def main():
       fixed_batch[name][k] = temp_bytes(mesh, options, k, BATCH_ROWS)
     print(f"{k:>4}" + "".join(f"{fixed_batch[n][k]:>14,}" for n in SCHEDULES))
 
-  out = _record.RESULTS / f"pipeline{'-quick' if args.quick else ''}.json"
   _record.save(
-    out,
+    "pipeline",
+    args.quick,
     load_before,
     num_stages=NUM_STAGES,
     width=WIDTH,

@@ -1,4 +1,5 @@
-"""PNG plots of the sweep: a figure per measure, a panel per model, a line per method.
+"""PNG plots of the sweep (a figure per measure, a panel per model, a line per
+method) and of the convolution part.
 
 * `step_time.png`: median time of one optimizer step at the effective batch,
   log scale;
@@ -6,7 +7,9 @@
   state and batch (XLA temporaries, outputs not written into donated inputs,
   buffers held between programs), log scale;
 * `compile_time.png`: XLA compile time within the first step;
-* `first_step.png`: time to first step (trace + compile + first run).
+* `first_step.png`: time to first step (trace + compile + first run);
+* `conv.png`: the convolution part's step times against the whole batch, a
+  panel per family, a bar per variant and K, log scale.
 
 Every figure names the machine, the versions and the date underneath.
 """
@@ -35,6 +38,8 @@ STYLES = {
   "python loop": dict(color="tab:red", marker="^"),
   "optax.MultiSteps": dict(color="tab:brown", marker="v"),
   "jaccum.MultiSteps": dict(color="tab:green", marker="D"),
+  "no rewrite": dict(color="tab:red", marker="^"),
+  "rewrite all": dict(color="tab:olive", marker="v"),
 }
 
 FIGURES = {
@@ -102,3 +107,54 @@ def plot_sweep(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     plt.close(fig)
     written.append(path)
   return written
+
+
+def plot_conv(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+  """Writes `conv.png`, the convolution part's step times against the whole batch."""
+  conv = record["parts"]["conv"]
+  variants = [name for name in conv["variants"] if name != "whole"]
+  families = conv["families"]
+  fig, axes = plt.subplots(
+    1, len(families), figsize=(3.4 * len(families), 4.6), squeeze=False, sharey=True
+  )
+  width = 0.8 / len(variants)
+  for ax, family in zip(axes[0], families, strict=True):
+    ks = [row["num_microbatches"] for row in family["rows"]]
+    for i, name in enumerate(variants):
+      ax.bar(
+        [x + (i - (len(variants) - 1) / 2) * width for x in range(len(ks))],
+        [row["vs_whole"][name] for row in family["rows"]],
+        width,
+        label=name,
+        color=STYLES[name]["color"],
+      )
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(
+      ticker.FuncFormatter(
+        lambda v, _: f"{v:g}" if f"{v:g}".lstrip("0.")[:1] in ("2", "5") else ""
+      )
+    )
+    ax.set_xticks(range(len(ks)), [f"K={k}" for k in ks])
+    ax.set_title(family["description"], fontsize=9)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+  axes[0][0].set_ylabel("step time / whole batch (dashed: 1)")
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(
+    handles,
+    labels,
+    loc="lower center",
+    ncol=len(variants),
+    fontsize=9,
+    bbox_to_anchor=(0.5, 0.06),
+    frameon=False,
+  )
+  fig.suptitle("Convolutional networks accumulated on CPU: step time / whole batch")
+  part = {**record, **{k: conv[k] for k in ("date", "machine") if k in conv}}
+  fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
+  fig.tight_layout(rect=(0, 0.14, 1, 1))
+  path = out / "conv.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return [path]

@@ -3,9 +3,9 @@
 XLA:CPU optimises the entry computation with passes that loop bodies do not
 get (convolutions: `ConvCanonicalization`; see jaccum/_conv_layout.py). This
 script looks for other ops that the accumulation loop makes slower, for four
-micro-steps (gradients of an MLP, a transformer block, the Flax tutorial's CNN
-in two versions, average and max pooling, and a ResNet block with
-BatchNorm).
+micro-steps (gradients of the suite's MLP on 512 rows and its one-block
+transformer LM on 8 sequences, from `models.py`, the Flax tutorial's CNN in
+two versions, average and max pooling, and a ResNet block with BatchNorm).
 
 Per model, the time of one micro-step:
 
@@ -28,18 +28,18 @@ Timings alternate between variants within every round; medians over rounds,
 ratios are medians of per-round ratios. The machine may be shared: see the
 load average saved with the results.
 
-    python benchmarks/profile_loop_ops.py           # ~5 minutes on 2 cores
-    python benchmarks/profile_loop_ops.py --quick   # fewer rounds, ~2 minutes
+    python -m benchmarks.profile_loop_ops           # ~5 minutes on 2 cores
+    python -m benchmarks.profile_loop_ops --quick   # fewer rounds
+
+Results: `benchmarks/results/profile_loop_ops.json` (`results/quick/` with
+--quick).
 """
 
 import argparse
 import functools
 import os
-import pathlib
 import time
 
-import _record
-import core
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +47,8 @@ import optax
 from flax import nnx
 from jax.extend.core import Literal, jaxprs_in_params
 
+from benchmarks import _record
+from benchmarks import models as suite_models
 from jaccum._conv_layout import canonicalize_convolutions
 
 NUM_MICROBATCHES = 8
@@ -130,12 +132,18 @@ def nnx_model(module, x_shape, micro):
   return state, batch, loss
 
 
+def suite_model(name, quick, rows):
+  """A model of the suite (`models.py`) with a micro-batch of its first `rows`."""
+  model = suite_models.build(name, quick)
+  micro = jax.tree.map(lambda x: np.asarray(x[:rows]), model.batch)
+  return model.params, micro, model.loss
+
+
 def models():
   """name -> (params, micro-batch, loss)."""
-  key = jax.random.key(0)
   return {
-    "mlp": (core.init_mlp(key), core.mlp_batch(key, 512), core.mlp_loss),
-    "transformer": (core.init_block(key), core.block_batch(key, 8), core.block_loss),
+    "mlp": suite_model("mlp", False, 512),
+    "transformer": suite_model("lm", True, 8),  # --quick's size: one block
     "cnn_avgpool": nnx_model(TutorialCNN, (8, 8, 1), 16),
     "cnn_maxpool": nnx_model(
       functools.partial(TutorialCNN, pool=nnx.max_pool), (8, 8, 1), 16
@@ -312,7 +320,6 @@ def describe(eqn):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer rounds")
-  parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
   args = parser.parse_args()
   rounds = 5 if args.quick else 11
   start, load_before = time.perf_counter(), os.getloadavg()
@@ -372,11 +379,9 @@ def main():
     f"\n{_record.machine()['cpu']}, {os.cpu_count()} cores, jax {jax.__version__}; "
     f"median of {rounds} rounds; {elapsed:.0f} s"
   )
-  out = args.out or _record.RESULTS / (
-    f"profile_loop_ops{'-quick' if args.quick else ''}.json"
-  )
   _record.save(
-    out,
+    "profile_loop_ops",
+    args.quick,
     load_before[0],
     rounds=rounds,
     num_microbatches=NUM_MICROBATCHES,

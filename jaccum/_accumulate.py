@@ -84,9 +84,11 @@ def accumulate(
       integer inputs) come back as the whole batch gives them.
     weight_fn: `weight_fn(*micro_args) -> scalar`, called with every
       positional argument cut to one micro-batch; turns every `"mean"` leaf
-      into the weighted mean `Σ w_k out_k / Σ w_k`. Weights stay in float32 or
-      wider whatever the leaves' dtype. A micro-batch of weight 0 contributes
-      nothing, even if its output is NaN; a total of 0 gives zeros.
+      into the weighted mean `Σ w_k out_k / Σ w_k`, exactly for any real
+      weights, negative ones included. Weights stay in float32 or wider
+      (float64 for float64 leaves) whatever the leaves' dtype. A micro-batch
+      of weight 0 contributes nothing, even if its output is NaN; a total of
+      0 gives zeros.
     accum_dtype: floating `"mean"`/`"sum"` leaves narrower than this are
       accumulated in it and cast back at the end; `None` keeps each leaf's
       dtype. Rounding grows with K (`python benchmarks/accum_precision.py`;

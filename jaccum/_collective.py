@@ -101,7 +101,7 @@ def _device_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def all_reduce(
   leaves: Any,
   acc: Any,
-  total: jax.Array | None,
+  weights: _reduce.Weights | None,
   state: Any,
   axes: tuple[str, ...],
   scatter: list[int | None] | None = None,
@@ -110,9 +110,9 @@ def all_reduce(
   """Combines the per-device accumulators, one fused all-reduce for the sums.
 
   `"sum"` and unweighted `"mean"` leaves are summed over devices. Weighted
-  `"mean"` leaves hold each device's weighted mean; they are combined as
-  `Σ_d total_d mean_d / Σ_d total_d`, in float32 at least. These sums, the
-  total weight and the floating state go into a single `psum` (XLA fuses its
+  `"mean"` leaves hold each device's `Σ w out / Σ |w|`; they are combined as
+  `Σ_d norm_d acc_d / Σ_d total_d` (`weights`), in float32 at least. These
+  sums, the total weight and the floating state go into a single `psum` (XLA fuses its
   operands into one all-reduce); `"max"` and `"min"` leaves take a `pmax` and
   a `pmin`. `"concat"` and `"last"` leaves stay per device. Leaves given a
   dimension in `scatter` (one entry per leaf; FSDP gradients) are
@@ -130,12 +130,13 @@ def all_reduce(
   plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
   values = treedef.flatten_up_to(acc)
   dims = [None] * len(plans) if scatter is None else scatter
-  weighted = total is not None
+  weighted = weights is not None
+  total = None if weights is None else weights.total
 
   def summand(i):
-    if total is not None and plans[i].mode == "mean":
-      compute = jnp.promote_types(values[i].dtype, jnp.float32)
-      return values[i].astype(compute) * total.astype(compute)
+    if weights is not None and plans[i].mode == "mean":
+      compute = jnp.promote_types(values[i].dtype, weights.norm.dtype)
+      return values[i].astype(compute) * weights.norm.astype(compute)
     return values[i]
 
   summed = [
@@ -165,8 +166,8 @@ def all_reduce(
     if p.mode in ("max", "min"):
       values[i] = (jax.lax.pmax if p.mode == "max" else jax.lax.pmin)(values[i], axes)
     if total is not None and p.mode == "mean":
-      safe = jnp.where(total != 0, total, 1).astype(values[i].dtype)
-      values[i] = jnp.where(total != 0, values[i] / safe, 0).astype(p.carry_dtype)
+      values[i] = _reduce.weighted_mean(values[i], jnp.ones_like(total), total)
+      values[i] = values[i].astype(p.carry_dtype)
   state_values = [
     next(sums) / num_devices if f else _device_zero(s, axes)
     for s, f in zip(state_values, floating, strict=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -206,6 +207,7 @@ def positions(
       )
   if rng is not None and rng == state:
     raise ValueError(f"rng_argnum and state_argnum are both {rng}.")
+  check_no_stateful_graph_nodes(args, kwargs)
   if rng is not None and not is_key(args[rng]):
     got = getattr(args[rng], "aval", None) or type(args[rng]).__name__
     raise TypeError(
@@ -213,6 +215,44 @@ def positions(
       f"or jax.random.PRNGKey), got {got}."
     )
   return Positions(batch, rng, state)
+
+
+def check_no_stateful_graph_nodes(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+  """Refuses Flax NNX modules whose state would not be threaded (use jaccum.nnx).
+
+  `jax.grad` or `nnx.grad` of a loss on an `nnx.Module` updates its
+  BatchNorm statistics and `nnx.Rngs` counts in place. Plain `accumulate`
+  traces the micro-step once, so every micro-batch would start from the
+  same statistics and keys and the updates would be lost: the running
+  statistics would never move. Modules holding only `nnx.Param`s are fine.
+  """
+  nnx = sys.modules.get("flax.nnx")  # only if the user imported Flax NNX
+  if nnx is None:
+    return
+  named = [(f"args[{i}]", a) for i, a in enumerate(args)]
+  named += [(f"{k}=", v) for k, v in kwargs.items()]
+  for name, value in named:
+    for node in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, nnx.Module)):
+      if not isinstance(node, nnx.Module):
+        continue
+      kinds = sorted(
+        {
+          type(v).__name__
+          for _, v in nnx.graph.iter_graph(node)
+          if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)
+        }
+      )
+      if kinds:
+        raise ValueError(
+          f"{name} holds a Flax NNX {type(node).__name__} with state that "
+          f"changes as it runs ({', '.join(kinds)} variables, e.g. BatchNorm "
+          f"statistics or nnx.Rngs counts). Plain jaccum.accumulate traces the "
+          f"micro-step "
+          f"once, so every micro-batch would start from the same state and its "
+          f"updates would be lost. Use jaccum.nnx.value_and_grad(loss_fn, K) or "
+          f"jaccum.nnx.grad, which thread the model's state through the "
+          f"micro-batches."
+        )
 
 
 def call_weight_fn(weight_fn: Callable[..., Any], args: Sequence[Any]) -> jax.Array:

@@ -20,9 +20,16 @@ the batch (`batch_group_count > 1`: kernel gradients of grouped and depthwise
 convolutions) into the equivalent one that groups features: XLA:CPU expands
 the former into a non-canonical convolution, after its pass has run.
 
+It rewrites only where that is faster. For a few kinds, XLA's generic loop
+nest beats its canonical path: depthwise convolutions (a 3x3 depthwise
+input gradient 12x in 2-D), grouped ones with a dilated input, and 3-D ones
+grouped or dilated (a strided 3-D convolution's input gradient 12x). Those
+stay as traced; `_rewrite_wins` is the rule, measured kind by kind.
+
 To check a compiled step, read the `dim_labels` of its convolutions in
 `jax.jit(step).lower(*args).compile().as_text()`: those in the `while` body
-should read `b01f_01io->b01f` (or the 1-D/3-D form). XLA leaves one kind
+should read `b01f_01io->b01f` (or the 1-D/3-D form), but for the kinds the
+rule keeps as traced. XLA leaves one kind
 non-canonical in the entry computation too, so it is no loss here: a
 convolution whose operands it swapped, marked `rhs_reversal`, which no fast
 kernel takes anyway.
@@ -36,7 +43,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+
+from jaccum import _jaxpr
 
 _Orders = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
@@ -78,13 +87,52 @@ def _is_unsharded(x: Any) -> bool:
   return all(entry is None for entry in x.aval.sharding.spec)
 
 
-def _needs_rewrite(eqn: JaxprEqn) -> bool:
-  if eqn.primitive is not jax.lax.conv_general_dilated_p:
-    return False
-  if not all(map(_is_identity, _layout_orders(eqn.params["dimension_numbers"]))):
+def _is_canonical(eqn: JaxprEqn) -> bool:
+  """Whether XLA:CPU takes this convolution as it is: canonical, no batch groups."""
+  orders = _layout_orders(eqn.params["dimension_numbers"])
+  return all(map(_is_identity, orders)) and eqn.params["batch_group_count"] == 1
+
+
+def _rewrite_wins(eqn: JaxprEqn) -> bool:
+  """Whether XLA:CPU runs this convolution faster rewritten than as traced.
+
+  Measured kind by kind in a loop body, 1-D to 3-D, channels last and first
+  (`python -m benchmarks.conv_kinds`; the table is
+  `benchmarks/results/conv_kinds.md`). Rewritten, most kinds run 2-50x
+  faster, but XLA's generic loop nest wins on convolutions grouped by
+  features that are depthwise (one input or one output feature per group:
+  depthwise forwards and input gradients, 3-96x) or whose input is dilated
+  (grouped strided convolutions' input gradients, grouped transposed
+  convolutions: 1.1-3.5x), and on 3-D convolutions grouped by features
+  (5-47x) or dilated: strided convolutions' input gradients, transposed and
+  dilated forwards and input gradients (1.6-12x), grouped kernel gradients
+  (1.2-20x); the ungrouped kernel gradients are a tie (0.7-1.4x). Batch
+  groups (kernel gradients of grouped convolutions) are no reason to keep
+  one: regrouped, they win. Of the 180 kinds, the rule picks the slower form
+  for 8, by at most 2.0x: channels-first kinds, where the faster form
+  differs from channels last, and the ties.
+  """
+  params = eqn.params
+  groups = params["feature_group_count"]
+  dilated_input = any(d > 1 for d in params["lhs_dilation"])
+  if len(params["window_strides"]) == 3:
+    return groups == 1 and not dilated_input and max(params["rhs_dilation"]) == 1
+  if groups == 1:
     return True
+  _, (out_axis, in_axis, *_), _ = params["dimension_numbers"]
+  kernel: Any = eqn.invars[1].aval
+  depthwise = kernel.shape[in_axis] == 1 or kernel.shape[out_axis] == groups
+  return not (depthwise or dilated_input)
+
+
+def _needs_rewrite(eqn: JaxprEqn) -> bool:
+  if eqn.primitive is not jax.lax.conv_general_dilated_p or _is_canonical(eqn):
+    return False
   # Regrouping an input sharded over explicit mesh axes would need a reshard.
-  return eqn.params["batch_group_count"] > 1 and _is_unsharded(eqn.invars[0])
+  orders = _layout_orders(eqn.params["dimension_numbers"])
+  if all(map(_is_identity, orders)) and not _is_unsharded(eqn.invars[0]):
+    return False
+  return _rewrite_wins(eqn)
 
 
 def _canonical_conv(lhs, rhs, *, dimension_numbers, out_sharding, **params):
@@ -141,56 +189,6 @@ def _rewrite_conv(eqn: JaxprEqn) -> list[JaxprEqn]:
   ]
 
 
-class _Rewriter:
-  """Rewrites a jaxpr and every jaxpr nested in its equations' params.
-
-  Nested programs (jit, remat, custom_jvp/vjp, cond, scan, while, shard_map,
-  ...) hold their bodies as `Jaxpr` or `ClosedJaxpr` params, alone or in a
-  tuple (cond's branches). Their types do not change, so the equations holding
-  them stay valid. Params of any other kind, such as custom_jvp's rule (a
-  Python callable), are left as they are: they compute the same values. A
-  jaxpr that several equations share is rewritten once and stays shared.
-  """
-
-  def __init__(self):
-    # id(program) -> (program, rewritten); holding the program keeps its id.
-    self._done: dict[int, tuple[Any, Any]] = {}
-
-  def program(self, program: Jaxpr | ClosedJaxpr) -> Any:
-    if id(program) not in self._done:
-      if isinstance(program, ClosedJaxpr):
-        jaxpr = self.program(program.jaxpr)
-        new = program if jaxpr is program.jaxpr else program.replace(jaxpr=jaxpr)
-      else:
-        new = self._jaxpr(program)
-      self._done[id(program)] = (program, new)
-    return self._done[id(program)][1]
-
-  def _jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
-    eqns: list[JaxprEqn] = []
-    for eqn in jaxpr.eqns:
-      if _needs_rewrite(eqn):
-        eqns.extend(_rewrite_conv(eqn))
-        continue
-      params = {name: self._param(value) for name, value in eqn.params.items()}
-      changed = any(params[name] is not value for name, value in eqn.params.items())
-      eqns.append(eqn.replace(params=params) if changed else eqn)
-    unchanged = len(eqns) == len(jaxpr.eqns) and all(
-      new is old for new, old in zip(eqns, jaxpr.eqns, strict=True)
-    )
-    return jaxpr if unchanged else jaxpr.replace(eqns=eqns)
-
-  def _param(self, value: Any) -> Any:
-    if isinstance(value, Jaxpr | ClosedJaxpr):
-      return self.program(value)
-    if isinstance(value, tuple) and any(
-      isinstance(v, Jaxpr | ClosedJaxpr) for v in value
-    ):
-      new = tuple(self._param(v) for v in value)
-      return value if all(a is b for a, b in zip(new, value, strict=True)) else new
-    return value
-
-
 def canonicalize_convolutions(closed: ClosedJaxpr) -> ClosedJaxpr:
   """Returns `closed` with its convolutions in XLA:CPU's canonical layout.
 
@@ -198,7 +196,9 @@ def canonicalize_convolutions(closed: ClosedJaxpr) -> ClosedJaxpr:
   `b01f_01io->b01f` (or the 1-D/3-D form) becomes transpose -> canonical
   convolution -> transpose, with the same strides, padding, dilations,
   groups, precision and preferred element type; one that groups the batch
-  becomes one that groups features. Nested programs are rewritten too.
+  becomes one that groups features. The kinds XLA:CPU runs faster as traced
+  stay as they are (see the module's docstring). Nested programs are
+  rewritten too.
   Inputs, outputs and values stay the same; a program with nothing to
   rewrite comes back as it is.
 
@@ -220,4 +220,6 @@ def canonicalize_convolutions(closed: ClosedJaxpr) -> ClosedJaxpr:
     >>> bool(jnp.allclose(out, conv(x, w)))
     True
   """
-  return _Rewriter().program(closed)
+  return _jaxpr.rewrite_eqns(
+    closed, lambda eqn: _rewrite_conv(eqn) if _needs_rewrite(eqn) else None
+  )

@@ -2,8 +2,9 @@
 
 jaccum traces the user's micro-step once (`jax.make_jaxpr`) and evaluates
 that program in its loop, so it can adjust what the program does where the
-loop needs it: drop the data axes from sharding constraints that run on one
-device's rows. Programs nest (jit, remat, custom_jvp/vjp, cond, scan, while,
+loop needs it: put convolutions into XLA:CPU's fast layout (`_conv_layout`),
+drop the data axes from sharding constraints that run on one device's rows
+(`strip_constraints`). Programs nest (jit, remat, custom_jvp/vjp, cond, scan, while,
 shard_map, ...): they hold their bodies as `Jaxpr` or `ClosedJaxpr` params,
 alone or in a tuple (cond's branches). A rewrite keeps every equation's
 input and output types, so the equations holding nested programs stay valid.

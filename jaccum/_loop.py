@@ -25,6 +25,20 @@ from jaccum._microbatch import check_batch, take_microbatch
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
+def mark_user_error(error: Exception) -> None:
+  """Marks an error as raised while tracing the user's function, not by jaccum.
+
+  `_parallel` runs the function per device under `shard_map` and, where JAX
+  refuses it there, as the whole batch would run; jaccum's own errors (bad
+  options, a missing gradient) must reach the user as they are instead.
+  """
+  error._jaccum_user_code = True  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def is_user_error(error: Exception) -> bool:
+  return getattr(error, "_jaccum_user_code", False)
+
+
 def _is_typed_key(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
 
@@ -65,61 +79,95 @@ def params_of(config: Config, at: Positions, args: Sequence[Any]) -> Any:
   return rest[0] if rest else None
 
 
-def gradient_mask(out_shape: Any, params: Any, grad_leaves: Any, leaves: Any) -> Any:
+def gradient_mask(
+  out_shape: Any,
+  params: Any,
+  grad_leaves: Any,
+  leaves: Any,
+  needed_by: str | None = None,
+) -> Any:
   """A tree of bools like `out_shape`, True on the gradient leaves.
 
   With `grad_leaves` (a bool prefix of the output) it says so. Otherwise the
-  gradient is the first of: the whole output (`jax.grad`), its second element
-  (`value_and_grad`, with or without aux) or its first (`grad(has_aux=True)`)
-  that has the structure and shapes of `params` and is averaged or summed in
-  the plan `leaves` (a per-parameter maximum shaped like the params is
-  not a gradient); none of them, no leaf.
+  gradient is the whole output (`jax.grad`), or the one of its two elements
+  (`value_and_grad`: the second; `grad(has_aux=True)`: the first) that has
+  the structure and shapes of `params` and is averaged or summed in the plan
+  `leaves` (a per-parameter maximum shaped like the params is not a
+  gradient). When both elements could be (an aux shaped like the params, the
+  loss beside the gradient of a scalar param), it never guesses: with
+  `needed_by` (what needs the gradients, e.g. "return_stats=True") that is
+  an error asking for `grad_leaves`, else no leaf is marked; likewise when
+  nothing is found.
   """
   if grad_leaves is not None:
     try:
-      return jax.tree.broadcast(grad_leaves, out_shape)
+      mask = jax.tree.broadcast(grad_leaves, out_shape)
     except ValueError as e:
       raise ValueError(
         f"grad_leaves={grad_leaves!r} must be a bool or a pytree prefix of "
         f"grad_fn's output, whose structure is {jax.tree.structure(out_shape)}. "
         f"({e})"
       ) from None
+    if needed_by and not any(jax.tree.leaves(mask)):
+      raise ValueError(
+        f"grad_leaves={grad_leaves!r} marks no output leaf as a gradient, but "
+        f"{needed_by} needs the gradients: mark them True, e.g. "
+        "grad_leaves=(False, True) for value_and_grad's (loss, grads)."
+      )
+    return mask
   modes = jax.tree.map(lambda leaf: leaf.mode, leaves, is_leaf=_reduce.is_plan)
   mask = jax.tree.map(lambda _: False, out_shape)
-  if params is None:
-    return mask
-  # The gradients have the params' structure (jax.grad), or that structure with
-  # None wherever the params hold no floating array (Equinox's filter_grad:
-  # its models hold functions and modules as leaves).
-  differentiable = jax.tree.map(
-    lambda p: (
-      p if isinstance(p, ARRAY_TYPES) and jnp.issubdtype(p.dtype, jnp.inexact) else None
-    ),
-    params,
-  )
-  layouts = [
-    (jax.tree.structure(tree), [np.shape(p) for p in jax.tree.leaves(tree)])
-    for tree in (params, differentiable)
-    if all(isinstance(p, (*ARRAY_TYPES, int, float)) for p in jax.tree.leaves(tree))
-  ]
+  layouts = []
+  if params is not None:
+    # The gradients have the params' structure (jax.grad), or that structure
+    # with None wherever the params hold no floating array (Equinox's
+    # filter_grad: its models hold functions and modules as leaves).
+    differentiable = jax.tree.map(
+      lambda p: (
+        p
+        if isinstance(p, ARRAY_TYPES) and jnp.issubdtype(p.dtype, jnp.inexact)
+        else None
+      ),
+      params,
+    )
+    layouts = [
+      (jax.tree.structure(tree), [np.shape(p) for p in jax.tree.leaves(tree)])
+      for tree in (params, differentiable)
+      if all(isinstance(p, (*ARRAY_TYPES, int, float)) for p in jax.tree.leaves(tree))
+    ]
 
   def is_gradient(node, node_modes):
     leaves, treedef = jax.tree.flatten(node)
     return (treedef, [leaf.shape for leaf in leaves]) in layouts and all(
-      m in ("mean", "sum") for m in jax.tree.leaves(node_modes)
+      m in ("mean", "sum", "float0") for m in jax.tree.leaves(node_modes)
     )
 
   if is_gradient(out_shape, modes):
     return jax.tree.map(lambda _: True, out_shape)
+  hits = []
   if isinstance(out_shape, tuple | list) and len(out_shape) == 2:
-    for i in (1, 0):
-      if is_gradient(out_shape[i], modes[i]):
-        parts = [
-          jax.tree.map(lambda _, hit=j == i: hit, part)
-          for j, part in enumerate(out_shape)
-        ]
-        return type(out_shape)(parts)
-  return mask
+    hits = [i for i in (0, 1) if is_gradient(out_shape[i], modes[i])]
+  if len(hits) == 1:
+    parts = [
+      jax.tree.map(lambda _, hit=j == hits[0]: hit, part)
+      for j, part in enumerate(out_shape)
+    ]
+    return type(out_shape)(parts)
+  if needed_by is None:
+    return mask
+  where = (
+    "both the first and the second element of grad_fn's output have"
+    if hits
+    else "none of grad_fn's output, its first or its second element has"
+  )
+  raise ValueError(
+    f"{needed_by} needs to know which outputs are gradients, and {where} the "
+    f"structure and shapes of the params (the first non-batch argument, "
+    f"{jax.tree.structure(params)}), so jaccum will not guess. Mark them with "
+    "grad_leaves, a bool or a pytree prefix of the output: e.g. "
+    "grad_leaves=(True, False) for jax.grad(loss, has_aux=True)'s (grads, aux), "
+    "grad_leaves=(False, True) for value_and_grad's (loss, grads)."
+  )
 
 
 class Local(NamedTuple):
@@ -130,7 +178,7 @@ class Local(NamedTuple):
     out_shape: one micro-step's output shapes.
     grad_mask: bools like the output, True on gradient leaves.
     acc: the carry after the last micro-batch.
-    total: the summed weight (float32 at least), or None without `weight_fn`.
+    total: the weights (`_reduce.Weights`), or None without `weight_fn`.
     state: the threaded state after the last micro-batch, or None.
     stats: with `return_stats`, `(Σ_k w_k |g_k|², K')` over this device's
       micro-batches (w_k the weight, or the rows without `weight_fn`; K'
@@ -142,7 +190,7 @@ class Local(NamedTuple):
   out_shape: Any
   grad_mask: Any
   acc: Any
-  total: jax.Array | None
+  total: _reduce.Weights | None
   state: Any
   stats: tuple[jax.Array, jax.Array] | None
   unit_weight: int
@@ -182,6 +230,7 @@ def scan(
   kwargs: dict[str, Any],
   *,
   axes: tuple[str, ...] | None = None,
+  needs_grads: str | None = None,
 ) -> Local:
   """Runs `grad_fn` over K micro-batches of the batch arguments, on this device.
 
@@ -193,6 +242,8 @@ def scan(
     axes: inside `shard_map`/`pmap`, the axes the batch is split over:
       non-batch arguments are cast to device-varying (no psum in the loop)
       and the key is folded with the device index.
+    needs_grads: what needs the gradient leaves found, if anything (e.g.
+      "FSDP (param_specs)"): then not finding them is an error.
   """
   num_microbatches, split = config.num_microbatches, config.split
   batch_size = check_batch(
@@ -234,7 +285,11 @@ def scan(
 
   def micro_step(step_args, extras):
     bound_args, all_kwargs = extras
-    out = config.grad_fn(*bound_args, *step_args, **all_kwargs)
+    try:
+      out = config.grad_fn(*bound_args, *step_args, **all_kwargs)
+    except Exception as error:
+      mark_user_error(error)
+      raise
     new_state = None
     if at.state is not None:
       out, new_state = _check_state_output(out, step_args[at.state])
@@ -266,19 +321,18 @@ def scan(
   rows = batch_size // num_microbatches
   leaves = _reduce.plan(config.reduce, out_shape, config.accum_dtype, rows, split)
   grad_mask = gradient_mask(
-    out_shape, params_of(config, at, args), config.grad_leaves, leaves
+    out_shape,
+    params_of(config, at, args),
+    config.grad_leaves,
+    leaves,
+    "return_stats=True" if config.return_stats else needs_grads,
   )
   total0 = None
   if weight_shape is not None:
-    total0 = _reduce.zeros(jnp.promote_types(weight_shape.dtype, jnp.float32))
+    dtype = _reduce.weights_dtype(weight_shape.dtype, leaves)
+    total0 = _reduce.Weights(_reduce.zeros(dtype), _reduce.zeros(dtype))
   stats0 = None
   if config.return_stats:
-    if not any(jax.tree.leaves(grad_mask)):
-      raise ValueError(
-        "return_stats=True needs to know which outputs are gradients: none of "
-        "grad_fn's output, its first or its second element has the structure and "
-        "shapes of the params (the first non-batch argument); pass grad_leaves."
-      )
     summed = [
       leaf.mode
       for leaf, on in zip(
@@ -286,14 +340,15 @@ def scan(
         jax.tree.leaves(grad_mask),
         strict=True,
       )
-      if on and leaf.mode != "mean"
+      if on and leaf.mode not in ("mean", "float0")
     ]
     if summed:
       raise ValueError(
         f"return_stats=True measures gradients that are means over each "
         f"micro-batch's examples (or weight units): the gradient leaves must be "
-        f'reduced with "mean", got {sorted(set(summed))}. For a summed loss, '
-        f"divide it by the batch size (or mark the gradients with grad_leaves)."
+        f'reduced with "mean", got {sorted(set(summed))}. For a loss summed '
+        f"over examples, divide it by the micro-batch's size (or, with "
+        f'weight_fn, its total weight) and keep reduce="mean".'
       )
     stats0 = (_reduce.zeros(jnp.float32), _reduce.zeros(jnp.float32))
     if axes is not None:
@@ -310,9 +365,10 @@ def scan(
     out, state, weight = jax.tree.unflatten(out_tree, flat_out)
     # A weight_fn returning a Python number (len(x)) comes back as a literal.
     weight = None if weight is None else jnp.asarray(weight)
+    before = total
     if weight is not None:
-      total = total + weight.astype(total.dtype)
-    acc = _reduce.update(leaves, acc, out, index, weight, total)
+      total = _reduce.add_weight(total, weight)
+    acc = _reduce.update(leaves, acc, out, index, weight, before, total)
     if stats is not None:
       # One scalar per micro-step: the gradient noise scale needs nothing else.
       w = jnp.asarray(rows if weight is None else weight, jnp.float32)
@@ -325,7 +381,11 @@ def scan(
   carry0 = (
     _collective.match_varying(acc0, out_shape),
     state0,
-    None if total0 is None else _collective.match_varying(total0, weight_shape),
+    None
+    if total0 is None
+    else _collective.match_varying(
+      total0, jax.tree.map(lambda _: weight_shape, total0)
+    ),
     stats0,
   )
   if num_microbatches == 1:
@@ -400,14 +460,20 @@ def run(
     num_terms *= check_axes_bound(config.axes)
   check_two_sizes(config, num_terms // config.num_microbatches)
   local = scan(config, at, args, kwargs, axes=config.axes)
-  acc, total, state = local.acc, local.total, local.state
+  acc, weights, state = local.acc, local.total, local.state
   extras = list(local.stats or ())
+  total = None if weights is None else weights.total
   if config.axes is not None:
     acc, total, state, extras = _collective.all_reduce(
-      local.leaves, acc, total, state, config.axes, extras=extras
+      local.leaves, acc, weights, state, config.axes, extras=extras
     )
+    weights = None  # combined: the weighted means are final
   result = _reduce.finalize(
-    local.leaves, acc, None if total is not None else num_terms, config.split
+    local.leaves,
+    acc,
+    None if total is not None else num_terms,
+    config.split,
+    weights,
   )
   out = result if at.state is None else (result, state)
   if not config.return_stats:

@@ -367,7 +367,14 @@ def run(
       treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
     )
     local_config = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
-    local = _loop.scan(local_config, at, local_args, local_kwargs, axes=axes)
+    local = _loop.scan(
+      local_config,
+      at,
+      local_args,
+      local_kwargs,
+      axes=axes,
+      needs_grads=None if specs is None else "FSDP (param_specs)",
+    )
     found.append(local)
     # Each device's carry, stacked over the devices: nothing moves.
     return jax.tree.map(
@@ -388,8 +395,10 @@ def run(
   )
   try:
     acc, total, state, stats = loop(*placed)
-  except Exception as error:  # any reason grad_fn cannot run per device
-    per_device_error = error
+  except Exception as error:
+    if not _loop.is_user_error(error):
+      raise  # jaccum's own: the options or the output are wrong either way
+    per_device_error = error  # JAX refuses grad_fn per device
   else:
     per_device_error = None
   if per_device_error is not None:

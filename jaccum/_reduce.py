@@ -209,20 +209,53 @@ def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
   return jax.tree.map(init_leaf, leaves, out_shape, is_leaf=is_plan)
 
 
+class Weights(NamedTuple):
+  """The weights so far, in float32 or wider (float64 for float64 leaves).
+
+  Attributes:
+    total: `Σ w`, the divisor of the weighted mean.
+    norm: `Σ |w|`, the scale a weighted `"mean"` carry is kept at.
+  """
+
+  total: jax.Array
+  norm: jax.Array
+
+
+def weights_dtype(weight_dtype: Any, leaves: Any) -> np.dtype:
+  """The dtype of `Weights`: the weight's, float32 and every mean carry's, promoted.
+
+  A float64 model's weighted mean then divides in float64, not float32.
+  """
+  dtype = jnp.promote_types(weight_dtype, jnp.float32)
+  for leaf in jax.tree.leaves(leaves, is_leaf=is_plan):
+    if leaf.mode == "mean" and jnp.issubdtype(leaf.carry_dtype, jnp.floating):
+      dtype = jnp.promote_types(dtype, leaf.carry_dtype)
+  return np.dtype(dtype)
+
+
+def add_weight(weights: Weights, weight: jax.Array) -> Weights:
+  weight = weight.astype(weights.total.dtype)
+  return Weights(weights.total + weight, weights.norm + jnp.abs(weight))
+
+
 def update(
   leaves: Any,
   carry: Any,
   out: Any,
   index: jax.Array,
   weight: jax.Array | None = None,
-  total: jax.Array | None = None,
+  before: Weights | None = None,
+  after: Weights | None = None,
 ) -> Any:
   """Folds micro-batch `index`'s output into the carry.
 
-  Unweighted `"mean"` and `"sum"` leaves add up. Weighted `"mean"` leaves keep
-  the running mean `acc + (w / total) (out - acc)`, with `total` the float32
-  weight so far including `w`: weights of any size (token counts) never enter
-  a narrow dtype, so a float16 carry cannot overflow.
+  Unweighted `"mean"` and `"sum"` leaves add up. A weighted `"mean"` leaf
+  keeps `Σ w_k out_k / Σ |w_k|` over the micro-batches so far, updated as
+  `acc · (norm_before / norm) + (w / norm) · out`: both factors are at most 1
+  in size, so weights of any size (token counts) never enter a narrow dtype
+  and a float16 carry cannot overflow, and any real weights, negative ones
+  too, give the exact `Σ w out / Σ w` once `finish` scales by `norm / total`.
+  `before` and `after` are the weights without and with `weight`.
   """
 
   def update_leaf(leaf: Leaf, acc, value):
@@ -238,20 +271,36 @@ def update(
     if leaf.mode == "last":
       return value
     if leaf.mode == "mean" and weight is not None:
-      assert total is not None
-      compute = jnp.promote_types(leaf.carry_dtype, jnp.float32)
+      assert before is not None and after is not None
+      compute = jnp.promote_types(leaf.carry_dtype, after.norm.dtype)
       acc_c, value_c = acc.astype(compute), value.astype(compute)
-      share = (weight / jnp.where(total != 0, total, 1)).astype(compute)
+      norm = jnp.where(after.norm != 0, after.norm, 1)
+      keep = (before.norm / norm).astype(compute)
+      share = (weight.astype(after.norm.dtype) / norm).astype(compute)
       # `where`, not a product: an all-padding micro-batch may hold NaN (0/0),
       # and weight 0 must mean "contributes nothing".
-      new = jnp.where(weight != 0, acc_c + share * (value_c - acc_c), acc_c)
+      new = jnp.where(weight != 0, acc_c * keep + share * value_c, acc_c)
       return new.astype(leaf.carry_dtype)
     return acc + value.astype(leaf.carry_dtype)
 
   return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=is_plan)
 
 
-def finalize(leaves: Any, carry: Any, num_terms: int | None, split: Split) -> Any:
+def weighted_mean(acc: jax.Array, scaled_by: jax.Array, total: jax.Array) -> jax.Array:
+  """`acc · scaled_by / total`, or zeros where the total weight is 0 (never NaN)."""
+  compute = jnp.promote_types(acc.dtype, total.dtype)
+  safe = jnp.where(total != 0, total, 1)
+  scale = (scaled_by.astype(total.dtype) / safe).astype(compute)
+  return jnp.where(total != 0, acc.astype(compute) * scale, 0)
+
+
+def finalize(
+  leaves: Any,
+  carry: Any,
+  num_terms: int | None,
+  split: Split,
+  weights: Weights | None = None,
+) -> Any:
   """Turns the carry into the reduced output, in each leaf's own dtype.
 
   Args:
@@ -259,9 +308,11 @@ def finalize(leaves: Any, carry: Any, num_terms: int | None, split: Split) -> An
     carry: the carry after the last micro-batch (and after the devices are
       combined).
     num_terms: the number of outputs summed into each unweighted `"mean"`
-      leaf (K, times the devices once combined); None when weighted, where
-      the carry already holds the weighted mean (zeros for a total of 0).
+      leaf (K, times the devices once combined); None when weighted.
     split: the micro-batch order, to put `"concat"` rows back in place.
+    weights: the weights, when weighted `"mean"` leaves still hold
+      `Σ w out / Σ |w|` (one device's loop); None once the devices are
+      combined, when they hold the mean.
   """
 
   def finalize_leaf(leaf: Leaf, acc: Any) -> Any:
@@ -271,6 +322,8 @@ def finalize(leaves: Any, carry: Any, num_terms: int | None, split: Split) -> An
       return merge_microbatches(acc, split)
     if leaf.mode == "mean" and num_terms is not None:
       acc = acc / num_terms
+    if leaf.mode == "mean" and weights is not None:
+      acc = weighted_mean(acc, weights.norm, weights.total)
     return jnp.astype(acc, leaf.dtype)
 
   return jax.tree.map(finalize_leaf, leaves, carry, is_leaf=is_plan)

@@ -77,18 +77,21 @@ class AccumulationStats(NamedTuple):
 def sq_norm(tree: Any, mask: Any) -> jax.Array:
   """The squared norm of the leaves of `tree` where `mask`, as a float32 scalar.
 
-  Each leaf is squared and summed in float32 or wider (bfloat16 gradients are
+  Each leaf's |x|² is summed in float32 or wider (bfloat16 gradients are
   not summed in bfloat16, float64 ones stay float64); the result is float32
   whatever the leaves, as the loop's scalar carry and `AccumulationStats` are.
   """
   terms = [
     jnp.sum(
       jnp.square(
-        jnp.asarray(x).astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
+        jnp.abs(  # |g|², complex gradients too
+          jnp.asarray(x).astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
+        )
       )
     ).astype(jnp.float32)
     for x, on in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True)
-    if on
+    # float0 leaves (gradients of integer inputs) are zeros with no values.
+    if on and jnp.result_type(x) != jax.dtypes.float0
   ]
   return sum(terms, jnp.zeros((), jnp.float32))
 

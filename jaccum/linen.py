@@ -149,8 +149,9 @@ def value_and_grad(
 
   Returns:
     `f(params, batch_stats, batch, rng=None, **kwargs)`: the batch is split on
-    axis 0 (every leaf shares the leading size N), `rng` (if given) is
-    folded per micro-batch, keyword arguments go whole to every micro-batch.
+    axis 0 (every leaf shares the leading size N), `rng` (if given, by
+    position or by keyword; `loss_fn` receives it positionally) is folded
+    per micro-batch, other keyword arguments go whole to every micro-batch.
 
   Raises:
     TypeError: an option fixed by the call is given, the call does not have
@@ -204,6 +205,15 @@ def value_and_grad(
   accumulate(loss_fn, num_microbatches, state_argnum=1, **options)
 
   def accumulated(params: Any, batch_stats: Any, *args: Any, **kwargs: Any) -> Any:
+    if "rng" in kwargs:
+      # The key by keyword is still the key: each micro-batch gets its fold.
+      if len(args) != 1:
+        raise TypeError(
+          "rng was passed both by position and by keyword: call it as "
+          "f(params, batch_stats, batch, rng) or f(params, batch_stats, batch, "
+          "rng=rng)."
+        )
+      args = (*args, kwargs.pop("rng"))
     if len(args) not in (1, 2):
       raise TypeError(
         "call it as f(params, batch_stats, batch) or f(params, batch_stats, batch, "

@@ -44,6 +44,32 @@ def _split_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
   return loss, aux
 
 
+def _check_no_shared_variables(named_nodes: list[tuple[str, Any]]) -> None:
+  """Refuses graph nodes that hold the same variables (as `nnx.grad` does).
+
+  An `nnx.Rngs` the model holds, or a submodule of the model, passed again as
+  an argument would be split, threaded and written back as two copies: the
+  same keys drawn twice, a gradient lost through one of them.
+  """
+  owner: dict[int, tuple[str, str]] = {}
+  for name, node in named_nodes:
+    for path, value in nnx.graph.iter_graph(node):
+      if not isinstance(value, nnx.Variable):
+        continue
+      where = "/".join(map(str, path))
+      first = owner.setdefault(id(value), (name, where))
+      if first[0] != name:
+        raise ValueError(
+          f"{name} shares variables with {first[0]} ({type(value).__name__} at "
+          f"{name}: {where!r} is {first[0]}: {first[1]!r}): jaccum.nnx threads "
+          "each graph node's state through the micro-batches separately, so a "
+          "shared variable would advance twice, as two copies (nnx.grad refuses "
+          "this too: 'Inconsistent aliasing'). Pass it once: through the model "
+          "(and use model.rngs, model.submodule in loss_fn), or as an argument "
+          "the model does not hold."
+        )
+
+
 # The params reach each micro-step as this keyword argument: whole, device-varying
 # under shard_map, never threaded (so never averaged over devices).
 _PARAMS = "_jaccum_nnx_params"
@@ -99,6 +125,11 @@ def _transform(
     node_at = [i for i, a in enumerate(args, start=1) if nnx.graph.is_graph_node(a)]
     node_kw = [k for k, v in kwargs.items() if nnx.graph.is_graph_node(v)]
     nodes = ([args[i - 1] for i in node_at], {k: kwargs[k] for k in node_kw})
+    _check_no_shared_variables(
+      [("the model", model)]
+      + [(f"args[{i}]", args[i - 1]) for i in node_at]
+      + [(f"{k}=", kwargs[k]) for k in node_kw]
+    )
     graphdef, params, other, rest = nnx.split(model, nnx.All(wrt, nnx.Param), wrt, ...)
     if not jax.tree.leaves((params, other)):
       raise ValueError(f"the model holds no variables matching wrt={wrt!r}.")

@@ -444,3 +444,100 @@ def test_conv_rewrite_false_leaves_the_traced_convolutions_as_they_are(route):
     assert (labels == {"b01f_01io->b01f"}) is canonical, labels
   with pytest.raises(TypeError, match="conv_rewrite must be True or False"):
     jaccum.accumulate(jax.grad(loss), 2, conv_rewrite="no")
+
+
+def _weighted_reference(grads, weights):
+  """Σ_k w_k g_k / Σ_k w_k in float64 NumPy, zeros for a total of 0."""
+  grads, weights = np.asarray(grads, np.float64), np.asarray(weights, np.float64)
+  total = weights.sum()
+  return np.zeros(grads.shape[1:]) if total == 0 else weights @ grads / total
+
+
+@pytest.mark.parametrize(
+  "weights", [[1, -1, 1], [1, -1, 0], [2, -3, 0.5], [0, 0, 0], [-1, -2, -4]]
+)
+def test_any_real_weights_give_the_exact_weighted_mean(weights):
+  """Σ w·g / Σ w for negative weights too; a total of 0 gives zeros, never NaN.
+
+  Before, the running mean divided by 1 whenever a partial total was exactly
+  0: weights [1, -1, 1] returned g2, and [1, -1, 0] returned 2·g0 - g1.
+  """
+  x = jnp.arange(3.0 * 4).reshape(3, 4) + 1.0  # micro-batch k: one row, x[k]
+  w = jnp.asarray(weights, jnp.float32)
+
+  def grad_fn(params, x, w):
+    return jax.grad(lambda p: jnp.sum(p * x[0]) ** 2 / 2)(params)
+
+  params = jnp.linspace(0.1, 0.4, 4)
+  step = jax.jit(
+    jaccum.accumulate(
+      grad_fn,
+      3,
+      batch_argnums=(1, 2),
+      weight_fn=lambda p, x, w: w[0],
+      split="contiguous",
+    )
+  )
+  got = step(params, x, w)
+  per_micro = [
+    np.asarray(grad_fn(params, x[k : k + 1], w[k : k + 1])) for k in range(3)
+  ]
+  np.testing.assert_allclose(got, _weighted_reference(per_micro, weights), rtol=1e-6)
+  assert np.all(np.isfinite(got))
+
+
+def test_uneven_negative_weights_across_devices_give_the_exact_mean():
+  """Per-device totals of 0 (weights cancelling on a device) combine exactly."""
+  mesh = jax.make_mesh((8,), ("data",))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 4)).astype(np.float32)
+  w = rng.choice([-2.0, -1.0, 0.0, 1.0, 3.0], size=32).astype(np.float32)
+  w[:8] = [1, -1, 1, -1, 0, 0, 0, 0]  # devices 0 and 1: their weights cancel
+
+  def grad_fn(params, x, w):
+    return jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p)))(params)
+
+  step = jax.jit(
+    jaccum.data_parallel(
+      grad_fn, 2, mesh=mesh, batch_argnums=(1, 2), weight_fn=lambda p, x, w: w.sum()
+    )
+  )
+  sharded = [jax.device_put(a, jax.NamedSharding(mesh, jax.P("data"))) for a in (x, w)]
+  params = jnp.linspace(-1, 1, 4)
+  got = step(params, *sharded)
+  # Micro-batch k of device d holds its rows k, k+2 (4 rows per device).
+  micros = [(x[4 * d :][k:4:2], w[4 * d :][k:4:2]) for d in range(8) for k in range(2)]
+  per_micro = [np.asarray(grad_fn(params, xm, wm)) for xm, wm in micros]
+  expected = _weighted_reference(per_micro, [wm.sum() for _, wm in micros])
+  np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weight_dtype", ["int32", "float32"])
+def test_float64_weighted_means_are_float64_accurate(weight_dtype):
+  """Under x64, an int32 or float32 weight no longer rounds the mean to float32."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(12, 3))
+    counts = rng.integers(1, 1000, size=12).astype(weight_dtype)
+
+    def grad_fn(params, x, counts):
+      return jax.grad(lambda p: jnp.sum(jnp.sin(x @ p)))(params)
+
+    params = jnp.asarray([0.3, -0.2, 0.7], jnp.float64)
+    step = jax.jit(
+      jaccum.accumulate(
+        grad_fn,
+        6,
+        batch_argnums=(1, 2),
+        weight_fn=lambda p, x, c: c.sum(),
+        split="contiguous",
+      )
+    )
+    got = step(params, jnp.asarray(x), jnp.asarray(counts))
+    assert got.dtype == jnp.float64
+    per_micro = [
+      np.asarray(grad_fn(params, x[2 * k : 2 * k + 2], None)) for k in range(6)
+    ]
+    weights = [counts[2 * k : 2 * k + 2].astype(np.float64).sum() for k in range(6)]
+    expected = _weighted_reference(per_micro, weights)
+    assert max_rel_error(got, expected) <= 1e-12

@@ -6,6 +6,8 @@ loop in miniature, so these tests do not depend on how `accumulate` is built.
 """
 
 import functools
+import itertools
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -19,6 +21,7 @@ from jax.extend.core import jaxprs_in_params, primitives
 
 import jaccum
 import jaccum.nnx
+from jaccum import _conv_layout
 from jaccum._collective import cast_varying
 from jaccum._conv_layout import canonicalize_convolutions
 from jaccum.inspect import _instructions
@@ -29,11 +32,21 @@ CANONICAL_LABELS = {"b0f_0io->b0f", "b01f_01io->b01f", "b012f_012io->b012f"}
 TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
 
 
+def rewriting_everything():
+  """Within it, the rewrite takes every convolution the rule would keep too.
+
+  For checks of the rewrite itself: each kind of convolution must come out
+  canonical and exact, whatever the rule decides today.
+  """
+  return mock.patch.object(_conv_layout, "_rewrite_wins", lambda eqn: True)
+
+
 def scan_accumulate(grad_fn, num_microbatches, *, rewrite=True):
   """The mean of `grad_fn` over strided micro-batches, as the loop computes it.
 
-  Micro-batch k holds rows k, k + K, ...; the micro-step is traced once and
-  evaluated in a `lax.scan`.
+  Micro-batch k holds rows k, k + K, ...; the micro-step is traced once
+  (rewritten as the rule says, unless `rewrite` is False) and evaluated in a
+  `lax.scan`.
   """
 
   def accumulated(params, batch):
@@ -100,12 +113,12 @@ def is_canonical(eqn):
 
 
 def check_accumulates_exactly(grad_fn, params, batch, dtype):
-  """The loop over the rewritten micro-step gives the whole-batch gradient.
+  """The loop over the micro-step, every convolution rewritten, is the whole batch.
 
   Returns the traced micro-step, for checks of what it holds.
   """
   micro = jax.tree.map(lambda x: x[: BATCH // NUM_MICROBATCHES], batch)
-  with jax.enable_x64(dtype == "float64"):
+  with jax.enable_x64(dtype == "float64"), rewriting_everything():
     traced = jax.make_jaxpr(grad_fn)(params, micro)
     rewritten = canonicalize_convolutions(traced)
     # Not vacuous: a backward pass always has non-canonical convolutions.
@@ -446,7 +459,8 @@ def test_precision_groups_dilations_and_output_type_are_kept():
     )
 
   traced = jax.make_jaxpr(conv)(x, kernel)
-  rewritten = canonicalize_convolutions(traced)
+  with rewriting_everything():  # the rule keeps this one (groups, lhs_dilation)
+    rewritten = canonicalize_convolutions(traced)
   (before,), (after,) = convolutions(traced.jaxpr), convolutions(rewritten.jaxpr)
   assert is_canonical(after) and not is_canonical(before)
   unchanged = lambda params: {
@@ -541,20 +555,22 @@ def compiled_convolutions(compiled):
   [("channels_first", 1), ("channels_last", 2), ("channels_first", 3)],
 )
 def test_no_non_canonical_convolution_in_the_compiled_loop_body(layout, num_spatial):
+  """With every convolution rewritten; what the rule keeps: the families' test."""
   loss, params, batch = lax_conv_model(layout, num_spatial, "float32")
   grad_fn = jax.grad(loss)
-  loops = {
-    rewrite: [
-      (labels, window)
-      for inside_loop, labels, window in compiled_convolutions(
-        scan_accumulate(grad_fn, NUM_MICROBATCHES, rewrite=rewrite)
-        .lower(params, batch)
-        .compile()
-      )
-      if inside_loop
-    ]
-    for rewrite in (False, True)
-  }
+  with rewriting_everything():
+    loops = {
+      rewrite: [
+        (labels, window)
+        for inside_loop, labels, window in compiled_convolutions(
+          scan_accumulate(grad_fn, NUM_MICROBATCHES, rewrite=rewrite)
+          .lower(params, batch)
+          .compile()
+        )
+        if inside_loop
+      ]
+      for rewrite in (False, True)
+    }
   whole = compiled_convolutions(jax.jit(grad_fn).lower(params, batch).compile())
   # XLA swaps the operands of some kernel gradients, reversing the window;
   # no fast kernel takes those, in the entry computation either.
@@ -604,3 +620,233 @@ def test_accumulate_and_jaccum_nnx_run_canonical_convolutions_exactly(dtype):
   _, grads = nnx.jit(jaccum.nnx.value_and_grad(nnx_loss, NUM_MICROBATCHES))(model, x, y)
   _, whole = nnx.jit(nnx.value_and_grad(nnx_loss))(model, x, y)
   assert_trees_close(grads, whole, 1e-5)
+
+
+# --- which convolutions are rewritten: kind by kind ------------------------------
+
+GROUPS = {"none": 1, "grouped": 4, "depthwise": 8}  # of 8 channels
+FORWARDS = {
+  "plain": {},
+  "strided": {"window_strides": 2},  # input grad: lhs_dilation, kernel grad: rhs
+  "transposed": {"lhs_dilation": 2},  # as lax.conv_transpose; kernel grad: lhs
+  "dilated": {"rhs_dilation": 2},  # input grad: rhs_dilation
+}
+SPATIAL = ("forward", "input grad")  # the two that can group features
+# What `python -m benchmarks.conv_kinds` measured faster as traced than
+# rewritten in a loop body (benchmarks/results/conv_kinds.md), by (dimensions,
+# groups, forward, op); the rule keeps these and rewrites every other kind.
+FASTER_AS_TRACED = {
+  # Depthwise forwards and input gradients (3-96x).
+  *((d, "depthwise", f, op) for d in (1, 2, 3) for f in FORWARDS for op in SPATIAL),
+  # Grouped, with a dilated input (1.1-3.5x).
+  *((d, "grouped", "strided", "input grad") for d in (1, 2)),
+  *((d, "grouped", "transposed", "forward") for d in (1, 2)),
+  # 3-D: grouped (5-47x) or dilated, whichever the groups (1.2-96x).
+  *((3, "grouped", f, op) for f in FORWARDS for op in SPATIAL),
+  *((3, g, "strided", op) for g in GROUPS for op in ("input grad", "kernel grad")),
+  *((3, g, "transposed", op) for g in GROUPS for op in ("forward", "kernel grad")),
+  *((3, g, "dilated", op) for g in GROUPS for op in SPATIAL),
+}
+# Where channels last and channels first disagreed, the rule follows channels
+# last, Flax's layout: it rewrites the kernel gradients of 1-D and 2-D
+# transposed convolutions (channels first 2.0x and 1.2x slower rewritten,
+# channels last 0.9x) and of 3-D grouped undilated ones (1.7-1.9x, against
+# 0.5-0.9x). The 3-D ungrouped dilated kernel gradients are ties (0.7-1.4x);
+# the rule keeps them with the other dilated 3-D kinds.
+
+
+def gradient_convolutions(layout, num_spatial, groups, forward):
+  """The program `jax.grad` makes of one convolution and its three convolutions."""
+  options = {"window_strides": 1, "lhs_dilation": 1, "rhs_dilation": 1}
+  options |= FORWARDS[forward]
+  pad = options["rhs_dilation"]  # "SAME" for a 3-wide kernel
+  channels, spatial = 8, SIZES[num_spatial]
+  x = (BATCH, *spatial, channels)
+  w = (3,) * num_spatial + (channels // GROUPS[groups], channels)
+  if layout == "channels_first":
+    x, w = (BATCH, channels, *spatial), (channels, channels // GROUPS[groups], *w[:-2])
+
+  def loss(x, w):
+    out = jax.lax.conv_general_dilated(
+      x,
+      w,
+      **{k: (v,) * num_spatial for k, v in options.items()},
+      padding=[(pad, pad)] * num_spatial,
+      dimension_numbers=LAYOUTS[layout, num_spatial],
+      feature_group_count=GROUPS[groups],
+    )
+    return jnp.sum(jnp.sin(out))
+
+  shapes = (jax.ShapeDtypeStruct(x, np.float32), jax.ShapeDtypeStruct(w, np.float32))
+  traced = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(*shapes)
+  convs = {}
+  for eqn in convolutions(traced.jaxpr):
+    shape = eqn.outvars[0].aval.shape
+    if eqn.invars == traced.jaxpr.invars:
+      convs["forward"] = eqn
+    else:
+      convs["input grad" if shape == x else "kernel grad"] = eqn
+  assert len(convs) == 3, convs
+  return traced, convs
+
+
+@pytest.mark.parametrize("num_spatial", [1, 2, 3])
+def test_the_rule_keeps_the_kinds_measured_faster_as_traced(num_spatial):
+  kept, rewritten = [], []
+  for layout, groups, forward in itertools.product(
+    ("channels_last", "channels_first"), GROUPS, FORWARDS
+  ):
+    traced, convs = gradient_convolutions(layout, num_spatial, groups, forward)
+    before = convolutions(traced.jaxpr)
+    after = convolutions(canonicalize_convolutions(traced).jaxpr)
+    assert len(after) == len(before)
+    for op, eqn in convs.items():
+      new = after[before.index(eqn)]
+      kind = (num_spatial, groups, forward, op)
+      if is_canonical(eqn):  # channels-last forwards: nothing to rewrite
+        assert new is eqn, kind
+      elif kind in FASTER_AS_TRACED:
+        assert new is eqn, kind
+        kept.append(kind)
+      else:
+        assert is_canonical(new), kind
+        rewritten.append(kind)
+  # Both decisions are exercised at every dimensionality.
+  assert kept and rewritten
+
+
+# --- five families, accumulated exactly, each convolution as the rule says -------
+
+
+class ResNet(nnx.Module):
+  """A stem and a strided block, BatchNorm (batch statistics) after each."""
+
+  def __init__(self, rngs):
+    conv = functools.partial(nnx.Conv, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+    self.stem, self.norm1 = conv(3, 4), nnx.BatchNorm(4, rngs=rngs)
+    self.down, self.norm2 = conv(4, 8, strides=2), nnx.BatchNorm(8, rngs=rngs)
+    self.head = nnx.Linear(8, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.norm1(self.stem(x)))
+    x = nnx.relu(self.norm2(self.down(x)))
+    return self.head(x.mean((1, 2)))
+
+
+class MobileNet(nnx.Module):
+  """An inverted-residual block: 1x1 expand, 3x3 depthwise, 1x1 project."""
+
+  def __init__(self, rngs):
+    self.expand = nnx.Conv(3, 8, (1, 1), rngs=rngs)
+    self.depthwise = nnx.Conv(8, 8, (3, 3), feature_group_count=8, rngs=rngs)
+    self.project = nnx.Conv(8, 4, (1, 1), rngs=rngs)
+    self.head = nnx.Linear(4, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.project(nnx.relu6(self.depthwise(nnx.relu6(self.expand(x)))))
+    return self.head(x.mean((1, 2)))
+
+
+class Conv1D(nnx.Module):
+  def __init__(self, rngs):
+    self.conv1 = nnx.Conv(2, 4, (3,), rngs=rngs)
+    self.conv2 = nnx.Conv(4, 4, (3,), strides=2, kernel_dilation=1, rngs=rngs)
+    self.head = nnx.Linear(4, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.conv2(nnx.relu(self.conv1(x)))).mean(1))
+
+
+class UNet(nnx.Module):
+  """Down by a strided convolution, up by a transposed one, a skip; per pixel."""
+
+  def __init__(self, rngs):
+    self.encode = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+    self.down = nnx.Conv(4, 8, (3, 3), strides=2, rngs=rngs)
+    self.up = nnx.ConvTranspose(8, 4, (3, 3), strides=(2, 2), rngs=rngs)
+    self.out = nnx.Conv(8, 10, (1, 1), rngs=rngs)
+
+  def __call__(self, x):
+    skip = nnx.relu(self.encode(x))
+    x = nnx.relu(self.up(nnx.relu(self.down(skip))))
+    return self.out(jnp.concatenate([x, skip], axis=-1))
+
+
+class Conv3D(nnx.Module):
+  def __init__(self, rngs):
+    self.conv1 = nnx.Conv(1, 4, (3, 3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(4, 4, (3, 3, 3), strides=2, rngs=rngs)
+    self.head = nnx.Linear(4, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.conv2(nnx.relu(self.conv1(x)))).mean((1, 2, 3)))
+
+
+# model, one example's shape, its labels' shape, and the convolutions XLA:CPU
+# compiles in the loop body in another layout than canonical, by `dim_labels`:
+# those the rule keeps as traced (the depthwise input gradient; the 3-D
+# strided convolution's kernel gradient, with rhs_dilation 2, and its input
+# gradient, with lhs_dilation 2, whose operands XLA swaps into a convolution
+# marked rhs_reversal) and one XLA swaps after the rewrite (the transposed
+# convolution's kernel gradient, as in the entry computation). The first
+# convolution's input gradient is not computed: the input is not
+# differentiated.
+FAMILIES = {
+  "resnet": (ResNet, (8, 8, 3), (), []),
+  "mobilenet": (MobileNet, (6, 6, 3), (), ["b01f_01oi->b01f"]),
+  "conv1d": (Conv1D, (12, 2), (), []),
+  "unet": (UNet, (8, 8, 3), (8, 8), ["01fb_o01i->f01b rhs_reversal"]),
+  "conv3d": (
+    Conv3D,
+    (4, 4, 4, 1),
+    (),
+    ["012bf_o012i->f012b rhs_reversal", "f012b_i012o->012bf"],
+  ),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_families_accumulate_exactly_rewritten_or_not(family):
+  model, example, label_shape, layouts = FAMILIES[family]
+  graphdef, params = nnx_split(model)
+  params = cast(params, "float32")
+  rng = np.random.default_rng(4)
+  batch = {
+    "x": rng.normal(size=(BATCH, *example)).astype(np.float32),
+    "y": rng.integers(0, 10, (BATCH, *label_shape)),
+  }
+
+  def loss(params, batch):
+    return cross_entropy(nnx.merge(graphdef, params)(batch["x"]), batch["y"])
+
+  grad_fn = jax.grad(loss)
+  if family == "resnet":
+    # Batch statistics: the reference is the mean of the micro-batches' own
+    # gradients, micro-batch k holding rows k, k + K, ...
+    micro = [
+      jax.jit(grad_fn)(
+        params, jax.tree.map(lambda x, k=k: x[k::NUM_MICROBATCHES], batch)
+      )
+      for k in range(NUM_MICROBATCHES)
+    ]
+    expected = jax.tree.map(lambda *g: sum(g) / NUM_MICROBATCHES, *micro)
+  else:
+    expected = jax.jit(grad_fn)(params, batch)
+
+  step = jax.jit(jaccum.accumulate(grad_fn, NUM_MICROBATCHES))
+  assert_trees_close(step(params, batch), expected, rtol=1e-5)
+  plain = scan_accumulate(grad_fn, NUM_MICROBATCHES, rewrite=False)
+  assert_trees_close(plain(params, batch), expected, rtol=1e-5)
+  with rewriting_everything():
+    every = scan_accumulate(grad_fn, NUM_MICROBATCHES)(params, batch)
+  assert_trees_close(every, expected, rtol=1e-5)
+
+  if jax.default_backend() == "cpu":
+    not_canonical = [
+      labels + (" rhs_reversal" if "rhs_reversal" in window else "")
+      for inside, labels, window in compiled_convolutions(
+        step.lower(params, batch).compile()
+      )
+      if inside and labels not in CANONICAL_LABELS
+    ]
+    assert sorted(not_canonical) == sorted(layouts), not_canonical

@@ -624,3 +624,36 @@ def test_return_stats_passes_through_and_measures_the_gradients():
   np.testing.assert_allclose(stats.grad_sq_norm, squared, rtol=1e-5)
   assert float(stats.total_weight) == 32 and float(stats.microbatch_weight) == 8
   assert "batch_stats" in new
+
+
+def test_rng_by_keyword_gives_every_micro_batch_its_own_key():
+  """f(params, batch_stats, batch, rng=key) is the positional call: fold_in(key, k).
+
+  Before, the keyword went whole to every micro-batch: the same dropout mask.
+  """
+  state, batch, key = resnet_state(), image_batch(seed=3), jax.random.key(4)
+
+  def loss_fn(params, batch_stats, batch, rng):
+    logits, new_model_state = state.apply_fn(
+      {"params": params, "batch_stats": batch_stats},
+      batch["image"],
+      mutable=["batch_stats"],
+      rngs={"dropout": rng},
+    )
+    return cross_entropy_loss(logits, batch["label"]), (new_model_state, logits)
+
+  grad_fn = jax.jit(with_jaccum(loss_fn))
+  by_keyword = grad_fn(state.params, state.batch_stats, batch, rng=key)
+  by_position = grad_fn(state.params, state.batch_stats, batch, key)
+  assert_trees_close(by_keyword, by_position, rtol=0)
+  expected = sequential_grads(loss_fn, state.params, state.batch_stats, batch, key, 2)
+  assert_trees_close(by_keyword, expected, rtol=1e-5, atol=1e-7)
+  # Not vacuous: dropout differs between keys, so one key for all would differ.
+  shared = jax.jit(
+    lambda *a: sequential_grads(lambda p, s, b, r: loss_fn(p, s, b, key), *a, 2)
+  )(state.params, state.batch_stats, batch, key)
+  assert not np.allclose(
+    shared[1]["Dense_0"]["kernel"], expected[1]["Dense_0"]["kernel"]
+  )
+  with pytest.raises(TypeError, match="rng was passed both by position and by keyword"):
+    grad_fn(state.params, state.batch_stats, batch, key, rng=key)

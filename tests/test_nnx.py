@@ -525,3 +525,80 @@ def test_jaccum_nnx_traces_the_loss_once():
   x, y = regression_batch()
   nnx.jit(jaccum.nnx.value_and_grad(counted, 4))(model, x, y)
   assert len(traces) == 1
+
+
+class WithRngs(nnx.Module):
+  """A model that holds its nnx.Rngs, as Flax's tutorials write it."""
+
+  def __init__(self, rngs):
+    self.rngs = rngs
+    self.linear = nnx.Linear(3, 2, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dropout(self.linear(x))
+
+
+def test_an_argument_sharing_variables_with_the_model_is_refused_as_nnx_grad_does():
+  """The model's own Rngs, or its submodule, passed again: two copies, refused.
+
+  Before, the first drew the same keys on both paths and the second dropped
+  the gradient through the argument (relative error 0.74).
+  """
+  rngs = nnx.Rngs(0, dropout=1)
+  model = WithRngs(rngs)
+  x = jnp.ones((8, 3))
+
+  def with_rngs(model, x, rngs):
+    return jnp.mean(model(x) ** 2) + jnp.mean(rngs.dropout() != 0)
+
+  def with_submodule(model, x, linear):
+    return jnp.mean(model(x) ** 2) + jnp.mean(linear(x) ** 2)
+
+  for loss_fn, extra, what in [
+    (with_rngs, rngs, "RngKey|RngCount"),
+    (with_submodule, model.linear, "Param"),
+  ]:
+    with pytest.raises(ValueError, match="Inconsistent aliasing"):
+      nnx.grad(loss_fn)(model, x, extra)  # what nnx itself does
+    with pytest.raises(
+      ValueError, match=rf"args\[2\] shares variables with the model \(({what})"
+    ):
+      jaccum.nnx.grad(loss_fn, 2)(model, x, extra)
+  # Passed once, each works: here the Rngs only as an argument.
+  free = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  grads = jaccum.nnx.grad(lambda m, x, r: jnp.mean(m(x) ** 2), 2)(free, x, rngs)
+  whole = nnx.grad(lambda m, x: jnp.mean(m(x) ** 2))(free, x)
+  assert_tree_close(grads, whole, rtol=1e-6)
+
+
+def test_plain_accumulate_refuses_a_module_whose_state_it_would_drop():
+  """nnx.grad of a BatchNorm model under plain accumulate: stuck statistics."""
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 2, rngs=rngs)
+      self.norm = nnx.BatchNorm(2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.norm(self.linear(x))
+
+  model, x = Net(nnx.Rngs(0)), jax.random.normal(jax.random.key(0), (8, 3))
+  loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+  with pytest.raises(
+    ValueError,
+    match=r"args\[0\] holds a Flax NNX Net.*BatchStat.*jaccum\.nnx\.value_and_grad",
+  ):
+    jaccum.accumulate(nnx.grad(loss_fn), 2)(model, x)
+  # jaccum.nnx threads them: the running mean moves, as in nnx.grad.
+  before = model.norm.mean[...]
+  jaccum.nnx.grad(loss_fn, 2)(model, x)
+  assert not np.allclose(model.norm.mean[...], before)
+  # A module of parameters only has nothing to lose: plain accumulate is exact.
+  linear = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+  params_only = lambda m, x: jnp.mean(m(x) ** 2)
+  assert_tree_close(
+    jaccum.accumulate(nnx.grad(params_only), 2)(linear, x),
+    nnx.grad(params_only)(linear, x),
+    rtol=1e-6,
+  )

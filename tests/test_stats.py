@@ -522,7 +522,7 @@ def test_grad_leaves_selects_the_gradient_when_the_default_cannot():
     (scaled, (1.0, PARAMS), (2, 3), True),
   ]:
     options = dict(batch_argnums=argnums, return_stats=True)
-    with pytest.raises(ValueError, match="pass grad_leaves"):
+    with pytest.raises(ValueError, match="Mark them with grad_leaves"):
       jaccum.accumulate(grad_fn, 4, **options)(*args, x, y)
     step = jaccum.accumulate(grad_fn, 4, grad_leaves=marks, **options)
     _, stats = jax.jit(step)(*args, x, y)
@@ -622,3 +622,82 @@ def test_summed_gradient_leaves_are_refused():
   w, x = jnp.ones(3), jnp.ones((8, 3))
   with pytest.raises(ValueError, match=r'must be reduced with "mean", got \[\'sum\'\]'):
     jaccum.accumulate(jax.grad(summed), 2, reduce="sum", return_stats=True)(w, x)
+
+
+# Trust, round 3: what the statistics measure, and the messages that refuse.
+
+
+@pytest.mark.parametrize("shape", [(), (5,)])
+def test_an_aux_shaped_like_the_params_is_never_taken_for_the_gradient(shape):
+  """grad(has_aux=True) returning an aux with the params' shapes: refuse, never guess.
+
+  Before, the statistics measured the aux (grad_sq_norm was |aux|²), and
+  FSDP would have reduce-scattered it.
+  """
+  w = jnp.linspace(0.5, 1.5, math.prod(shape) or 1).reshape(shape)
+  x = jax.random.normal(jax.random.key(0), (16, *shape))
+
+  def loss_and_aux(w, x):  # a scalar param with the loss as aux, or a (5,) aux
+    per_example = 0.5 * jnp.sum((x * w - 1.0) ** 2, axis=tuple(range(1, x.ndim)))
+    aux = jnp.mean(per_example) if not shape else jnp.mean(x, axis=0) * 3.0
+    return jnp.mean(per_example), aux
+
+  grad_fn = jax.grad(loss_and_aux, has_aux=True)
+  with pytest.raises(ValueError, match=r"both the first and the second element.*"):
+    jaccum.accumulate(grad_fn, 4, return_stats=True)(w, x)
+  with pytest.raises(ValueError, match=r"FSDP \(param_specs\) needs to know"):
+    mesh = mesh_of(AxisType.Auto)
+    jaccum.data_parallel(grad_fn, 2, mesh=mesh, param_specs=P(), return_stats=False)(
+      w, x
+    )
+  (grads, _), stats = jax.jit(
+    jaccum.accumulate(grad_fn, 4, return_stats=True, grad_leaves=(True, False))
+  )(w, x)
+  np.testing.assert_allclose(stats.grad_sq_norm, jnp.sum(grads**2), rtol=1e-5)
+  whole, aux = grad_fn(w, x)
+  np.testing.assert_allclose(grads, whole, rtol=1e-5)
+  assert not np.allclose(stats.grad_sq_norm, jnp.sum(aux**2), rtol=1e-2)
+
+
+def test_complex_gradients_are_measured_by_their_modulus():
+  """|g|² = Σ |g_i|², not Re(Σ g_i²): 86.5, not 8.5, for the gradient below."""
+  w = jnp.array([1.0 + 2.0j, -3.0 + 0.5j], jnp.complex64)
+  x = jnp.tile(jnp.array([[1.0, 2.0]], jnp.complex64), (8, 1))
+
+  def grad_fn(w, x):  # a fixed gradient: the same on every micro-batch
+    del x
+    return jnp.array([3.0 + 4.0j, 5.0 - 5.5j], jnp.complex64) + 0 * w
+
+  _, stats = jax.jit(jaccum.accumulate(grad_fn, 2, return_stats=True))(w, x)
+  np.testing.assert_allclose(stats.grad_sq_norm, 25.0 + 55.25, rtol=1e-6)
+  np.testing.assert_allclose(stats.micro_grad_sq_norm, 80.25, rtol=1e-6)
+
+
+def test_a_float0_gradient_counts_as_zero_in_the_statistics():
+  """The gradient of an integer input is float0: nothing to square, nothing added."""
+  x, y = examples(3, batch_size=32)
+  params = {"w": jnp.zeros(DIM), "step": jnp.int32(7)}
+
+  def loss_of(params, x, y):
+    return loss(params["w"], x, y)
+
+  grad_fn = jax.grad(loss_of, allow_int=True)
+  (grads, stats) = jax.jit(
+    jaccum.accumulate(grad_fn, 4, batch_argnums=(1, 2), return_stats=True)
+  )(params, x, y)
+  assert grads["step"].dtype == jax.dtypes.float0
+  np.testing.assert_allclose(stats.grad_sq_norm, jnp.sum(grads["w"] ** 2), rtol=1e-6)
+
+
+def test_messages_name_what_return_stats_needs():
+  x, y = examples(4, batch_size=32)
+  with pytest.raises(ValueError, match=r"grad_leaves=False marks no output leaf"):
+    jaccum.accumulate(
+      jax.grad(loss), 4, batch_argnums=(1, 2), return_stats=True, grad_leaves=False
+    )(jnp.zeros(DIM), x, y)
+  summed = jax.grad(lambda w, x, y: 0.5 * jnp.sum((x @ w - y) ** 2))
+  with pytest.raises(ValueError, match=r"divide it by the micro-batch's size") as info:
+    jaccum.accumulate(summed, 4, batch_argnums=(1, 2), return_stats=True, reduce="sum")(
+      jnp.zeros(DIM), x, y
+    )
+  assert "grad_leaves" not in str(info.value)  # marking them would not help
