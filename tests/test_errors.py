@@ -225,7 +225,7 @@ def test_split_microbatches_checks_like_accumulate():
 
 
 def test_a_batch_passed_first_is_met_with_the_batch_argnums_hint():
-  """loss(batch, params) with the default batch_argnums=1: say which option split what."""
+  """loss(batch, params), default batch_argnums=1: say which option split what."""
   swapped = jax.grad(lambda batch, w: loss(w, batch), argnums=1)
   with pytest.raises(
     ValueError, match=r"args\[1\] is the batch because batch_argnums=1 \(the default\)"
