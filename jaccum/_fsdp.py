@@ -31,10 +31,16 @@ from jax.extend.core import Jaxpr, Literal, Var
 
 
 class Sharded(NamedTuple):
-  """An array split along `dim` over the mesh `axes`, each device holding a slice."""
+  """An array split along `dim` over the mesh `axes`, each device holding a slice.
+
+  `dtype`, for a gradient scattered in the loop: what it is summed over
+  devices in (the accumulator's dtype, float32 for bf16 gradients unless
+  `accum_dtype=None` asks for bf16); None keeps its own.
+  """
 
   dim: int
   axes: tuple[str, ...]
+  dtype: Any = None
 
   def gather(self, shard: jax.Array) -> jax.Array:
     return jax.lax.all_gather(shard, self.axes, axis=self.dim, tiled=True)
@@ -47,7 +53,7 @@ class Sharded(NamedTuple):
 
   def sliced(self) -> Sharded | None:
     """How a slice of the leading axis is split (None: the leading axis is)."""
-    return Sharded(self.dim - 1, self.axes) if self.dim > 0 else None
+    return self._replace(dim=self.dim - 1) if self.dim > 0 else None
 
 
 class Plan(NamedTuple):
@@ -133,9 +139,12 @@ def evaluate(
 
   def scatter(whole: Any, how: Sharded) -> tuple[Any, jax.Array]:
     norm = _sq_norm(whole)
+    if how.dtype is not None:
+      whole = whole.astype(how.dtype)
     if weight is not None:
       compute = jnp.promote_types(whole.dtype, jnp.float32)
       whole = whole.astype(compute) * jnp.asarray(weight_now()).astype(compute)
+      whole = whole.astype(how.dtype or whole.dtype)
     return how.scatter(whole), norm
 
   for var, value in zip(jaxpr.constvars, consts, strict=True):

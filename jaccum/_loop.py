@@ -188,6 +188,7 @@ def _scattered_plan(
   for i, how in zip(positions, grads, strict=True):
     if how is None or plans[i].mode not in ("mean", "sum"):
       continue
+    how = how._replace(dtype=plans[i].carry_dtype)  # summed in the carry's dtype
     outputs[i] = how
     shape = _fsdp.shard_shape(plans[i].shape, how)
     plans[i] = plans[i]._replace(shape=shape, scattered=how)

@@ -291,3 +291,46 @@ def test_a_model_too_big_unsharded_trains_with_shard_all_where_gather_once_is_re
     p = optax.apply_updates(p, updates)
   assert losses[-1] < losses[0]
   assert p["stack"].sharding.is_equivalent_to(NamedSharding(mesh, specs["stack"]), 3)
+
+
+@pytest.mark.parametrize("mode", ["shard_grads", "shard_all"])
+def test_bf16_gradients_are_scattered_in_the_accumulators_dtype(mode):
+  """float32 by default; bf16 on the wire only where accum_dtype=None asks for it."""
+  params, x, loss, specs = dense_mlp()
+  params16 = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
+  loss16 = lambda p, x: loss(p, x.astype(jnp.bfloat16)).astype(jnp.float32)
+  mesh = mesh_of(AxisType.Auto)
+  args = placed(mesh, params16, specs, x)
+  exact = jax.grad(loss)(jax.tree.map(lambda v: v.astype(jnp.float32), params16), x)
+
+  def scatter_types(accum_dtype):
+    step = jax.jit(
+      jaccum.data_parallel(
+        jax.grad(loss16),
+        K,
+        mesh=mesh,
+        param_specs=specs,
+        fsdp_mode=mode,
+        accum_dtype=accum_dtype,
+      )
+    )
+    # What jaccum asks for (its program, before XLA:CPU, which may widen bf16
+    # collectives itself, compiles it).
+    text = str(jax.make_jaxpr(step)(*args))
+    types = {
+      line.split("=")[0].split(":")[-1].split("[")[0].strip()
+      for line in text.splitlines()
+      if "= reduce_scatter[" in line
+    }
+    return step(*args), types
+
+  grads, types = scatter_types(jnp.float32)
+  assert types == {"f32"}, types
+  assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(
+    lambda g: g.dtype, params16
+  )
+  for name in grads:
+    error = jnp.max(jnp.abs(grads[name].astype(jnp.float32) - exact[name]))
+    assert error <= 2e-2 * jnp.max(jnp.abs(exact[name])), name
+  _, narrow = scatter_types(None)
+  assert narrow == {"bf16"}, narrow
