@@ -334,3 +334,35 @@ def test_bf16_gradients_are_scattered_in_the_accumulators_dtype(mode):
     assert error <= 2e-2 * jnp.max(jnp.abs(exact[name])), name
   _, narrow = scatter_types(None)
   assert narrow == {"bf16"}, narrow
+
+
+def test_bytes_on_the_wire_per_step_follow_each_mode():
+  """From the compiled program, per device: P bytes of params, K micro-batches.
+
+  Measured on 2 MiB of params, K=4: gather_once 2P, shard_grads 5P, shard_all
+  12P (the stack gathered in the forward and again in the backward).
+  """
+  params, x, loss, specs = stacked_mlp(layers=8, width=256)
+  size = sum(v.nbytes for v in params.values())
+  stack = params["stack"].nbytes
+  mesh = mesh_of(AxisType.Auto)
+  args = placed(mesh, params, specs, x)
+  found = {
+    mode: jaccum.inspect.collectives(step_of(loss, mesh, specs, mode), *args)
+    for mode in MODES
+  }
+  once, grads, every = found["gather_once"], found["shard_grads"], found["shard_all"]
+  # gather_once: every param gathered once, every gradient scattered once.
+  assert once.all_gather.bytes_outside_loops == size
+  assert once.reduce_scatter.bytes_outside_loops == size
+  assert (
+    once.all_gather.bytes_inside_loops == once.reduce_scatter.bytes_inside_loops == 0
+  )
+  # shard_grads: the same gather, and a scatter per micro-batch.
+  assert grads.all_gather.bytes_outside_loops == size
+  assert grads.reduce_scatter.bytes_inside_loops == K * size
+  # shard_all: the stacked layers gathered twice per micro-batch (forward, and
+  # again for the backward's recompute), the gradients scattered once each.
+  assert every.reduce_scatter.bytes_inside_loops == K * size
+  assert every.all_gather.bytes_inside_loops >= 2 * K * stack
+  assert every.bytes_per_step <= (3 * K + 1) * size
