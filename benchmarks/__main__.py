@@ -58,15 +58,23 @@ def _precision(args: argparse.Namespace) -> dict[str, Any]:
   return multisteps_precision.run(args.quick)
 
 
-def _distributed(args: argparse.Namespace) -> dict[str, Any]:
+def _in_own_process(module: str, args: argparse.Namespace) -> dict[str, Any]:
   # Its own process: it needs 8 simulated CPU devices, set before JAX starts,
   # and this process's single-device measurements must not share them.
-  out = args.out / "distributed.json.tmp"
-  command = [sys.executable, "-m", "benchmarks.distributed", "--out", str(out)]
+  out = args.out / f"{module}.json.tmp"
+  command = [sys.executable, "-m", f"benchmarks.{module}", "--out", str(out)]
   subprocess.run(command + (["--quick"] if args.quick else []), check=True)
   record = json.loads(out.read_text())
   out.unlink()
   return record
+
+
+def _distributed(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("distributed", args)
+
+
+def _fsdp(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("fsdp", args)
 
 
 # name: how to run it. Parts run in this order, one at a time; the distributed
@@ -78,6 +86,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "multisteps": _multisteps,
   "precision": _precision,
   "distributed": _distributed,
+  "fsdp": _fsdp,
 }
 
 
@@ -90,6 +99,8 @@ def write_report(record: dict[str, Any], out: pathlib.Path) -> None:
     written += plots.plot_sweep(record, out)
   if "families" in record["parts"].get("conv", {}):
     written += plots.plot_conv(record, out)
+  if "rows" in record["parts"].get("fsdp", {}):
+    written += plots.plot_fsdp(record, out)
   print("wrote " + ", ".join(str(p) for p in written))
 
 

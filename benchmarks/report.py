@@ -290,6 +290,49 @@ def distributed_section(distributed: dict[str, Any]) -> str:
   )
 
 
+def fsdp_section(fsdp: dict[str, Any]) -> str:
+  mib = lambda b: f"{b / 2**20:.2f}"
+  rows = [
+    [
+      r["width"],
+      mib(r["params_bytes"]),
+      r["K"],
+      r["mode"],
+      mib(r["temp_bytes"]),
+      f"{r['temp_bytes'] / r['params_bytes']:.2f}",
+      mib(r["bytes_per_step"]),
+      f"{r['bytes_per_step'] / r['params_bytes']:.1f}",
+      f"{r['step_ms_cpu']:.1f}",
+    ]
+    for r in fsdp["rows"]
+  ]
+  return "\n".join(
+    [
+      f"## FSDP modes: {len(fsdp['devices'])} simulated CPU devices\n",
+      f"{fsdp['model']}; {fsdp['rows_per_microbatch_per_device']} rows per "
+      "micro-batch per device. Per device, from the compiled program: XLA's "
+      "temporaries and the bytes the collectives move per step (P: the "
+      "params' bytes). Step times are on simulated CPU devices sharing the "
+      "machine's cores.\n",
+      markdown_table(
+        [
+          "width",
+          "params MiB",
+          "K",
+          "mode",
+          "temporaries MiB",
+          "÷ P",
+          "wire MiB/step",
+          "÷ P",
+          "step ms (CPU)",
+        ],
+        rows,
+        "rrrlrrrrr",
+      ),
+    ]
+  )
+
+
 SECTIONS = {
   "sweep": sweep_section,
   "loop": loop_section,
@@ -297,6 +340,7 @@ SECTIONS = {
   "multisteps": multisteps_section,
   "precision": precision_section,
   "distributed": distributed_section,
+  "fsdp": fsdp_section,
 }
 
 
