@@ -86,6 +86,23 @@ def _sq_norm(x: jax.Array) -> jax.Array:
   return jnp.sum(jnp.square(jnp.abs(x.astype(compute)))).astype(jnp.float32)
 
 
+def tied(shard: jax.Array, tie: jax.Array) -> jax.Array:
+  """`shard`, made to depend on one element of `tie` (what its use also reads).
+
+  Each use of a param then gathers a different array, so XLA can neither
+  hoist the gather out of the loop (a loop-invariant gather keeps the param
+  whole through every iteration), nor merge the gathers of its uses (which
+  would keep it whole from the forward pass to the backward), nor run one
+  before it is needed. An `optimization_barrier` does not survive XLA:CPU's
+  passes; `x + 0·t` is not folded for floats (0·inf is NaN), and costs one
+  add per element of a shard.
+  """
+  if not jnp.issubdtype(shard.dtype, jnp.inexact) or tie.size == 0:
+    return shard
+  zero = jnp.reshape(tie, (-1,))[0].astype(shard.dtype) * 0
+  return shard + zero
+
+
 _INLINED = ("pjit", "jit", "closed_call", "core_call")
 
 
@@ -125,11 +142,13 @@ def evaluate(
       wanted[var] = how
   scattered: dict[Var, tuple[Any, jax.Array]] = {}
 
-  def read(v: Any) -> Any:
+  def read(v: Any, tie: Any = None) -> Any:
     if isinstance(v, Literal):
       return v.val
     if v in shards:  # a use: gather it here, for this equation alone
       shard, how = shards[v]
+      if tie is not None:
+        shard = tied(shard, tie)
       return how.gather(shard)
     return env[v]
 
@@ -172,8 +191,10 @@ def evaluate(
       scattered.update(made)
     else:
       params = eqn.primitive.get_bind_params(eqn.params)
+      others = [env[v] for v in eqn.invars if isinstance(v, Var) and v in env]
+      tie = next((o for o in others if isinstance(o, jax.Array)), None)
       with eqn.ctx.manager:
-        result = eqn.primitive.bind(*map(read, eqn.invars), **params)
+        result = eqn.primitive.bind(*(read(v, tie) for v in eqn.invars), **params)
       outs = result if eqn.primitive.multiple_results else [result]
     for var, value in zip(eqn.outvars, outs, strict=True):
       if value is None:

@@ -412,6 +412,12 @@ def scan(
     values = jax.tree.leaves((micro_args(index, state), extras))
     values = [x for x, d in zip(values, dynamic, strict=True) if d]
     scattered_norms = []
+    # Shards tied to the iteration: XLA would hoist a gather of a
+    # loop-invariant shard out of the loop, and keep it whole throughout.
+    values = [
+      _fsdp.tied(v, index) if how else v
+      for v, how in zip(values, fsdp_inputs, strict=True)
+    ]
     if use_fsdp:
       flat_out, scattered_norms = _fsdp.evaluate(
         closed.jaxpr,
