@@ -404,3 +404,64 @@ def test_bytes_on_the_wire_per_step_follow_each_mode():
   assert every.reduce_scatter.bytes_inside_loops == K * size
   assert every.all_gather.bytes_inside_loops >= 2 * K * stack
   assert every.bytes_per_step <= (3 * K + 1) * size
+
+
+def test_an_nnx_scan_over_stacked_blocks_gathers_one_block_at_a_time():
+  """Flax NNX's nnx.vmap-made stack run by nnx.scan, split and merged functionally."""
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(128, 128, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.linear(x))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=8)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Block(rngs)
+
+      self.blocks = make(rngs)
+      self.head = nnx.Linear(128, 8, rngs=rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def step(x, block):
+        return block(x)
+
+      return self.head(step(x, self.blocks))
+
+  graphdef, state = nnx.split(Model(nnx.Rngs(0)))
+  params = nnx.to_pure_dict(state)
+
+  def loss(params, x):
+    return jnp.mean(nnx.merge(graphdef, nnx.State(params))(x) ** 2)
+
+  specs = {
+    "blocks": {"linear": {"kernel": P(None, None, "data"), "bias": P(None, "data")}},
+    "head": {"kernel": P("data"), "bias": P()},
+  }
+  mesh = mesh_of(AxisType.Auto)
+  x = jnp.asarray(np.random.default_rng(6).normal(size=(64, 128)), jnp.float32)
+  placed_params = jax.tree.map(
+    lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), params, specs
+  )
+  x_sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+  temps = {}
+  for mode in ("gather_once", "shard_all"):
+    step = jax.jit(
+      jaccum.data_parallel(
+        jax.grad(loss), 2, mesh=mesh, param_specs=specs, fsdp_mode=mode
+      )
+    )
+    assert_trees_close(
+      step(placed_params, x_sharded), jax.grad(loss)(params, x), rtol=2e-5, atol=1e-7
+    )
+    temps[mode] = jaccum.inspect.memory(step, placed_params, x_sharded).temp_bytes
+    if mode == "shard_all":
+      counts = jaccum.inspect.collectives(step, placed_params, x_sharded)
+      assert counts.all_gather.inside_loops >= 2 and counts.all_reduce.inside_loops == 0
+  assert temps["shard_all"] <= temps["gather_once"] / 4, temps
