@@ -257,6 +257,7 @@ def scan(
   axes: tuple[str, ...] | None = None,
   needs_grads: str | None = None,
   fsdp: _fsdp.Plan | None = None,
+  num_real: Any = None,
 ) -> Local:
   """Runs `grad_fn` over K micro-batches of the batch arguments, on this device.
 
@@ -272,6 +273,8 @@ def scan(
       "FSDP (param_specs)"): then not finding them is an error.
     fsdp: FSDP's sharded modes (`_fsdp.Plan`): params that arrive as shards,
       gradients reduce-scattered by every micro-step.
+    num_real: run only the first this many micro-batches (an int scalar,
+      traced or not, checked by `check_num_real`); None runs all K.
   """
   num_microbatches, split = config.num_microbatches, config.split
   batch_size = check_batch(
@@ -381,8 +384,13 @@ def scan(
     )
   use_fsdp = any(fsdp_inputs) or any(fsdp_outputs)
   total0 = None
-  if weight_shape is not None:
-    dtype = _reduce.weights_dtype(weight_shape.dtype, leaves)
+  # With a count of real micro-batches and no weight_fn, every micro-batch
+  # weighs its rows: the mean then divides by what ran, however many devices
+  # ran how many, and a count of 0 gives zeros.
+  unit_weights = num_real is not None and weight_shape is None
+  if weight_shape is not None or unit_weights:
+    weight_dtype = jnp.float32 if weight_shape is None else weight_shape.dtype
+    dtype = _reduce.weights_dtype(weight_dtype, leaves)
     total0 = _reduce.Weights(_reduce.zeros(dtype), _reduce.zeros(dtype))
   stats0 = None
   if config.return_stats:
@@ -432,6 +440,8 @@ def scan(
     out, state, weight = jax.tree.unflatten(out_tree, flat_out)
     # A weight_fn returning a Python number (len(x)) comes back as a literal.
     weight = None if weight is None else jnp.asarray(weight)
+    if unit_weights:
+      weight = jnp.float32(rows)
     before = total
     if weight is not None:
       total = _reduce.add_weight(total, weight)
@@ -459,11 +469,18 @@ def scan(
     None
     if total0 is None
     else _collective.match_varying(
-      total0, jax.tree.map(lambda _: weight_shape, total0)
+      total0,
+      jax.tree.map(lambda t: t if weight_shape is None else weight_shape, total0),
     ),
     stats0,
   )
-  if num_microbatches == 1:
+  if num_real is not None:
+    # A traced count: a while loop that runs only the real micro-batches, so
+    # the others cost nothing (masking them would still compute them).
+    (acc, state, total, stats) = jax.lax.fori_loop(
+      0, num_real, lambda i, carry: body(carry, i)[0], carry0
+    )
+  elif num_microbatches == 1:
     # One micro-batch is the whole batch: no loop, so XLA schedules the step
     # as it would without accumulation (a scan of length 1 keeps a carry).
     (acc, state, total, stats), _ = body(carry0, jnp.int32(0))
@@ -511,6 +528,38 @@ def output_shapes_at(
   return jax.eval_shape(
     micro_step, *(x for x, d in zip(flat, dynamic, strict=True) if d)
   )
+
+
+def check_num_real(num_real: Any, num_microbatches: int, per_device: int = 0) -> Any:
+  """The count of real micro-batches, checked: an int in [0, K], or a traced one.
+
+  A Python (or NumPy) int outside [0, K] is an error now; a traced count is
+  clamped to [0, K] when it runs (nothing can be raised then). With
+  `per_device` devices (`data_parallel`) it may also be one count per device,
+  shape `[devices]`.
+  """
+  shape = np.shape(num_real)
+  dtype = jnp.result_type(num_real)
+  if not jnp.issubdtype(dtype, jnp.integer) or isinstance(num_real, bool):
+    raise TypeError(
+      f"num_real_microbatches must be an int (traced or not), got {dtype} "
+      f"{num_real!r:.60}."
+    )
+  if shape not in ((),) + (((per_device,),) if per_device else ()):
+    allowed = "a scalar" + (
+      f" or one per device, shape ({per_device},)" if per_device else ""
+    )
+    raise ValueError(f"num_real_microbatches must be {allowed}, got shape {shape}.")
+  if not isinstance(num_real, jax.core.Tracer):
+    values = np.asarray(num_real)
+    if values.min() < 0 or values.max() > num_microbatches:
+      raise ValueError(
+        f"num_real_microbatches={num_real!r} must be in [0, "
+        f"num_microbatches={num_microbatches}]: the batch holds "
+        f"{num_microbatches} micro-batches (its capacity), of which the first "
+        "num_real_microbatches run."
+      )
+  return jnp.clip(jnp.asarray(num_real, jnp.int32), 0, num_microbatches)
 
 
 def default_rewrite(config: Config) -> Callable[[Any], Any] | None:
@@ -567,13 +616,16 @@ def run(
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
+  num_real: Any = None,
 ) -> Any:
   """The loop on this device, then (with `config.axes`) one reduction over them."""
   num_terms = config.num_microbatches
   if config.axes is not None:
     num_terms *= check_axes_bound(config.axes)
   check_two_sizes(config, num_terms // config.num_microbatches)
-  local = scan(config, at, args, kwargs, axes=config.axes)
+  if num_real is not None:
+    num_real = check_num_real(num_real, config.num_microbatches)
+  local = scan(config, at, args, kwargs, axes=config.axes, num_real=num_real)
   acc, weights, state = local.acc, local.total, local.state
   extras = list(local.stats or ())
   total = None if weights is None else weights.total

@@ -365,11 +365,13 @@ def run(
   param_specs: Any = None,
   fsdp_mode: str = "gather_once",
   unsharded_meaning: bool = False,
+  num_real: Any = None,
 ) -> Any:
   """Every device accumulates K micro-batches of its rows; one reduction after.
 
   With `unsharded_meaning` (plain `accumulate` on a sharded batch), outputs
-  that would differ from the unsharded call are refused.
+  that would differ from the unsharded call are refused. `num_real` (one
+  count, or one per device) runs only that many micro-batches per device.
   """
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
@@ -431,8 +433,26 @@ def run(
   flat, treedef = jax.tree.flatten(call)
   dynamic = [isinstance(x, _loop.ARRAY_TYPES) for x in flat]
   found: list[_loop.Local] = []
+  if num_real is not None:
+    if unsharded_meaning and config.split == "contiguous":
+      raise ValueError(
+        f'num_real_microbatches with split="contiguous" and a batch sharded '
+        f"over {axes}: the first contiguous micro-batches live on the first "
+        "devices only, so the loop that runs on every device's rows cannot run "
+        'just them. Use split="strided" (micro-batch k spans every device), or '
+        "jaccum.data_parallel for a count per device."
+      )
+    one_per_device = 0 if unsharded_meaning else num_devices
+    num_real = _loop.check_num_real(num_real, num_microbatches, one_per_device)
+    # One count for all devices, or each device its own.
+    in_specs.append(P(axes) if np.ndim(num_real) else P())
+    placed.append(num_real)
 
   def per_device(*arrays):
+    local_num_real = None
+    if num_real is not None:
+      *arrays, local_num_real = arrays
+      local_num_real = jnp.reshape(local_num_real, (-1,))[0]
     it = iter(arrays)
     local_args, local_kwargs, bound_args, bound_kwargs = jax.tree.unflatten(
       treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
@@ -446,6 +466,7 @@ def run(
       axes=axes,
       needs_grads=None if specs is None else "FSDP (param_specs)",
       fsdp=fsdp,
+      num_real=local_num_real,
     )
     found.append(local)
     # Each device's carry, stacked over the devices: nothing moves.
@@ -474,6 +495,11 @@ def run(
   else:
     per_device_error = None
   if per_device_error is not None:
+    if num_real is not None:
+      raise ValueError(
+        "num_real_microbatches needs the per-device loop, which cannot run "
+        f"grad_fn here ({type(per_device_error).__name__}: {per_device_error})"
+      ) from per_device_error
     return _as_the_whole_batch(
       config, at, args, kwargs, mesh, axes, explicit, per_device_error
     )
@@ -651,7 +677,10 @@ def data_parallel(
       `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …).
 
   Returns:
-    A function with `grad_fn`'s signature. `"mean"`, `"sum"`, `"max"` and
+    A function with `grad_fn`'s signature, and `accumulate`'s keyword
+    `num_real_microbatches` (one count, or one per device: shape
+    `[devices]`; a device that runs fewer micro-batches skips them, and
+    nothing waits for it until the reduction). `"mean"`, `"sum"`, `"max"` and
     `"min"` leaves come back replicated, gradients of FSDP-sharded params
     sharded like them, `"concat"` and `"last"` leaves (one row per example)
     sharded over `axis`, in the batch's row order.
@@ -677,7 +706,7 @@ def data_parallel(
   config = _config.make_config(grad_fn, num_microbatches, **accumulate_kwargs)
   axes = _config.axis_tuple(axis, "axis")
 
-  def parallel(*args, **kwargs):
+  def parallel(*args, num_real_microbatches=None, **kwargs):
     at = _config.positions(config, args, kwargs)
     the_mesh = mesh if mesh is not None else _find_mesh(args, at)
     return run(
@@ -689,6 +718,7 @@ def data_parallel(
       axes=axes,
       param_specs=param_specs,
       fsdp_mode=fsdp_mode,
+      num_real=num_real_microbatches,
     )
 
   return parallel
