@@ -111,6 +111,9 @@ def all_reduce(
   axes: tuple[str, ...],
   scatter: list[Any] | None = None,
   extras: Sequence[jax.Array] = (),
+  *,
+  wire_dtype: Any = None,
+  skip: Sequence[bool] | None = None,
 ) -> tuple[Any, jax.Array | None, Any, list[jax.Array]]:
   """Combines the per-device accumulators, one fused all-reduce for the sums.
 
@@ -130,6 +133,12 @@ def all_reduce(
 
   `extras` are further scalars to sum over devices, in the same psum.
 
+  JAX lowers a psum of many arrays to one all-reduce each, so each leaf's
+  depends on that leaf alone (XLA may combine them later). `wire_dtype` (e.g.
+  bfloat16) is what those leaves cross the wire in: each is cast for the
+  reduction and back after it. Leaves marked in `skip` are
+  returned as they are (a `reduce_fn` reduces them).
+
   Returns:
     `(acc, total, state, extras)` combined over devices; `total` is the summed
     weight (None when unweighted).
@@ -147,35 +156,51 @@ def all_reduce(
       return values[i].astype(compute) * weights.norm.astype(compute)
     return values[i]
 
+  skipped = [False] * len(plans) if skip is None else list(skip)
   summed = [
     i
     for i, p in enumerate(plans)
-    if p.mode in ("mean", "sum") and hows[i] is None and p.scattered is None
+    if p.mode in ("mean", "sum")
+    and hows[i] is None
+    and p.scattered is None
+    and not skipped[i]
   ]
+
+  def on_the_wire(reduce, xs):
+    """`reduce(xs)`, with each floating x cast to `wire_dtype` and back."""
+    if wire_dtype is None:
+      return reduce(xs)
+    narrow = [
+      x.astype(wire_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs
+    ]
+    return [r.astype(x.dtype) for r, x in zip(reduce(narrow), xs, strict=True)]
+
   # Sharded over some axes: scattered over those, summed over the rest.
   by_rest: dict[tuple[str, ...], list[int]] = {}
   for i, p in enumerate(plans):
-    how = hows[i] if p.mode in ("mean", "sum") else None
+    how = hows[i] if p.mode in ("mean", "sum") and not skipped[i] else None
     if how is not None:
-      values[i] = how.scatter(summand(i))
+      (values[i],) = on_the_wire(lambda xs, how=how: [how.scatter(xs[0])], [summand(i)])
     how = how or p.scattered
     rest = () if how is None else tuple(a for a in axes if a not in how.axes)
     if rest:
       by_rest.setdefault(rest, []).append(i)
   for rest, indices in by_rest.items():
-    for i, value in zip(
-      indices,
-      jax.lax.psum(
-        [summand(i) if hows[i] is None else values[i] for i in indices], rest
-      ),
-      strict=True,
-    ):
+    parts = [summand(i) if hows[i] is None else values[i] for i in indices]
+    sums = on_the_wire(lambda xs, rest=rest: jax.lax.psum(xs, rest), parts)
+    for i, value in zip(indices, sums, strict=True):
       values[i] = value
 
   state_values, state_def = jax.tree.flatten(state)
   floating = [jnp.issubdtype(jnp.result_type(s), jnp.inexact) for s in state_values]
-  to_sum = [summand(i) for i in summed]
-  to_sum += [s for s, f in zip(state_values, floating, strict=True) if f]
+  fused = [summand(i) for i in summed]
+  if wire_dtype is not None:
+    fused = [
+      x.astype(wire_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+      for x in fused
+    ]
+  leaf_dtypes = [summand(i).dtype for i in summed]
+  to_sum = fused + [s for s, f in zip(state_values, floating, strict=True) if f]
   to_sum += list(extras)
   if weighted:
     to_sum.append(total)
@@ -183,10 +208,12 @@ def all_reduce(
   num_devices = jax.lax.axis_size(axes)
   total = to_sum.pop() if weighted else None
   summed_extras = to_sum[len(to_sum) - len(extras) :]
-  sums = iter(to_sum[: len(to_sum) - len(extras)])
-  for i in summed:
-    values[i] = next(sums)
+  for i, value, dtype in zip(summed, to_sum[: len(fused)], leaf_dtypes, strict=False):
+    values[i] = value.astype(dtype)
+  sums = iter(to_sum[len(fused) : len(to_sum) - len(extras)])
   for i, p in enumerate(plans):
+    if skipped[i]:
+      continue
     if p.mode in ("max", "min"):
       values[i] = (jax.lax.pmax if p.mode == "max" else jax.lax.pmin)(values[i], axes)
     if total is not None and p.mode == "mean":
@@ -201,4 +228,97 @@ def all_reduce(
     total,
     jax.tree.unflatten(state_def, state_values),
     summed_extras,
+  )
+
+
+def gradient_part(mask: Any) -> int | None:
+  """Where the gradients sit in the output: None for all of it, or an index.
+
+  `reduce_fn` takes the gradients as one tree, which must be the whole output
+  (`jax.grad`) or one element of a pair (`value_and_grad`'s second,
+  `grad(has_aux=True)`'s first).
+  """
+  if all(jax.tree.leaves(mask)):
+    return None
+  if isinstance(mask, tuple | list) and len(mask) == 2:
+    for i in (1, 0):
+      if all(jax.tree.leaves(mask[i])) and not any(jax.tree.leaves(mask[1 - i])):
+        return i
+  raise ValueError(
+    "reduce_fn takes the gradients as one tree: grad_fn's whole output, or one "
+    "element of a pair (value_and_grad's second); mark them with grad_leaves, "
+    f"got {mask}."
+  )
+
+
+def apply_reduce_fn(
+  leaves: Any,
+  acc: Any,
+  weights: _reduce.Weights | None,
+  total: jax.Array | None,
+  mask: Any,
+  num_terms: int,
+  axes: tuple[str, ...],
+  reduce_fn: Any,
+  reduce_state: Any,
+) -> tuple[Any, list[bool], Any]:
+  """The gradient leaves that `all_reduce` skipped, reduced by `reduce_fn`.
+
+  Each device's share is what makes the exact result when summed over
+  `axes`: its sum, its mean's sum over K·devices micro-batches, or its
+  weighted sum over the total weight (`total`, summed over devices already).
+  `reduce_fn(grads, axes, state)` returns their sum, or an estimate of it.
+  `reduce_state` holds one row per device on a leading axis; `reduce_fn` sees
+  and returns this device's row.
+
+  Returns:
+    `(acc, final, new_state)`: `acc` with the gradients reduced, which
+    leaves are final (`_reduce.finalize` must not divide them again), and the
+    new state, each leaf with its leading axis of one row.
+  """
+  plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
+  values = treedef.flatten_up_to(acc)
+  on = jax.tree.leaves(mask)
+  final = [False] * len(plans)
+  for i, p in enumerate(plans):
+    if not on[i] or p.mode == "float0":
+      continue
+    if p.mode not in ("mean", "sum") or p.scattered is not None:
+      raise ValueError(
+        f"reduce_fn reduces gradients that are summed or averaged, got a leaf "
+        f'reduced with "{p.mode}".'
+      )
+    value = values[i]
+    if p.mode == "mean" and weights is not None:
+      assert total is not None
+      compute = jnp.promote_types(value.dtype, weights.norm.dtype)
+      safe = jnp.where(total != 0, total, 1).astype(compute)
+      value = value.astype(compute) * weights.norm.astype(compute) / safe
+    elif p.mode == "mean":
+      value = value / num_terms
+    values[i] = value
+    final[i] = True
+  part = gradient_part(mask)
+  tree = jax.tree.unflatten(treedef, values)
+  grads = tree if part is None else tree[part]
+  state = jax.tree.map(lambda x: x[0], reduce_state)
+  reduced, new_state = reduce_fn(grads, axes, state)
+  if jax.tree.structure(reduced) != jax.tree.structure(grads):
+    raise TypeError(
+      "reduce_fn must return (grads, state) with grads structured as it got "
+      f"them, {jax.tree.structure(grads)}; got {jax.tree.structure(reduced)}."
+    )
+  if part is None:
+    tree = reduced
+  else:
+    tree = type(tree)(reduced if j == part else t for j, t in enumerate(tree))
+  values = treedef.flatten_up_to(tree)
+  values = [
+    v.astype(p.carry_dtype) if done else v
+    for v, p, done in zip(values, plans, final, strict=True)
+  ]
+  return (
+    jax.tree.unflatten(treedef, values),
+    final,
+    jax.tree.map(lambda x: jnp.asarray(x)[None], new_state),
   )

@@ -60,6 +60,15 @@ def _check_grad_leaves(grad_leaves: Any) -> Any:
   return grad_leaves
 
 
+def _check_reduce_fn(reduce_fn: Any) -> Callable[..., Any] | None:
+  if reduce_fn is not None and not callable(reduce_fn):
+    raise TypeError(
+      "reduce_fn must be None or callable as reduce_fn(grads, axes, state) -> "
+      f"(reduced_grads, new_state), got {reduce_fn!r}."
+    )
+  return reduce_fn
+
+
 def _check_bool(value: Any, name: str) -> bool:
   if not isinstance(value, bool | np.bool_):
     raise TypeError(f"{name} must be True or False, got {value!r}.")
@@ -115,6 +124,9 @@ class Config(NamedTuple):
   grad_leaves: Any
   return_stats: bool
   conv_rewrite: bool
+  overlap_reduction: bool = False
+  reduce_dtype: np.dtype | None = None
+  reduce_fn: Callable[..., Any] | None = None
 
 
 def axis_tuple(axis_name: Any, name: str = "axis_name") -> tuple[str, ...]:
@@ -146,6 +158,9 @@ def make_config(
   grad_leaves: Any = None,
   return_stats: bool = False,
   conv_rewrite: bool = True,
+  overlap_reduction: bool = False,
+  reduce_dtype: Any = None,
+  reduce_fn: Callable[..., Any] | None = None,
 ) -> Config:
   """Checks every option of `accumulate` that can be checked without arguments."""
   if not callable(grad_fn):
@@ -173,6 +188,9 @@ def make_config(
     grad_leaves=None if grad_leaves is None else _check_grad_leaves(grad_leaves),
     return_stats=_check_bool(return_stats, "return_stats"),
     conv_rewrite=_check_bool(conv_rewrite, "conv_rewrite"),
+    overlap_reduction=_check_bool(overlap_reduction, "overlap_reduction"),
+    reduce_dtype=_reduce.check_accum_dtype(reduce_dtype, "reduce_dtype"),
+    reduce_fn=_check_reduce_fn(reduce_fn),
   )
 
 

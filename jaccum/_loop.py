@@ -484,6 +484,14 @@ def scan(
     # One micro-batch is the whole batch: no loop, so XLA schedules the step
     # as it would without accumulation (a scan of length 1 keeps a carry).
     (acc, state, total, stats), _ = body(carry0, jnp.int32(0))
+  elif config.overlap_reduction:
+    # K - 1 micro-batches in the loop, the last one after it: each gradient
+    # leaf is then final as soon as the last backward pass makes it, and its
+    # reduction need not wait for the rest of that pass.
+    carry, _ = jax.lax.scan(
+      body, carry0, jnp.arange(num_microbatches - 1), unroll=config.unroll
+    )
+    (acc, state, total, stats), _ = body(carry, jnp.int32(num_microbatches - 1))
   else:
     (acc, state, total, stats), _ = jax.lax.scan(
       body, carry0, jnp.arange(num_microbatches), unroll=config.unroll
@@ -617,6 +625,7 @@ def run(
   args: Sequence[Any],
   kwargs: dict[str, Any],
   num_real: Any = None,
+  reduce_state: Any = None,
 ) -> Any:
   """The loop on this device, then (with `config.axes`) one reduction over them."""
   num_terms = config.num_microbatches
@@ -629,20 +638,48 @@ def run(
   acc, weights, state = local.acc, local.total, local.state
   extras = list(local.stats or ())
   total = None if weights is None else weights.total
+  final = None
   if config.axes is not None:
+    hooked = config.reduce_fn is not None
+    local_weights = weights
     acc, total, state, extras = _collective.all_reduce(
-      local.leaves, acc, weights, state, config.axes, extras=extras
+      local.leaves,
+      acc,
+      weights,
+      state,
+      config.axes,
+      extras=extras,
+      wire_dtype=config.reduce_dtype,
+      skip=jax.tree.leaves(local.grad_mask) if hooked else None,
     )
     weights = None  # combined: the weighted means are final
+    if hooked:
+      acc, final, reduce_state = _collective.apply_reduce_fn(
+        local.leaves,
+        acc,
+        local_weights,
+        total,
+        local.grad_mask,
+        num_terms,
+        config.axes,
+        config.reduce_fn,
+        reduce_state,
+      )
+  elif config.reduce_fn is not None:
+    raise ValueError(
+      "reduce_fn replaces the reduction over devices: it needs axis_name (inside "
+      "shard_map or pmap) or jaccum.data_parallel."
+    )
   result = _reduce.finalize(
     local.leaves,
     acc,
     None if total is not None else num_terms,
     config.split,
     weights,
+    final,
   )
   out = result if at.state is None else (result, state)
-  if not config.return_stats:
-    return out
-  grad_sq_norm = _stats.sq_norm(result, local.grad_mask)
-  return out, stats_of(local, extras, total, num_terms, grad_sq_norm)
+  if config.return_stats:
+    grad_sq_norm = _stats.sq_norm(result, local.grad_mask)
+    out = out, stats_of(local, extras, total, num_terms, grad_sq_norm)
+  return out if config.reduce_fn is None else (out, reduce_state)

@@ -366,6 +366,7 @@ def run(
   fsdp_mode: str = "gather_once",
   unsharded_meaning: bool = False,
   num_real: Any = None,
+  reduce_state: Any = None,
 ) -> Any:
   """Every device accumulates K micro-batches of its rows; one reduction after.
 
@@ -536,19 +537,46 @@ def run(
       sharded[i] = how
       out_specs[i] = P(*(None,) * how.dim, how.axes)
 
-  def reduce_body(acc, total, state, stats):
+  hooked = config.reduce_fn is not None
+  if hooked and any(h is not None for h in sharded):
+    raise ValueError(
+      "reduce_fn reduces whole gradients; with FSDP (param_specs) they are "
+      "reduce-scattered instead. Use one or the other."
+    )
+
+  def reduce_body(acc, total, state, stats, reduce_state):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    local_weights = first(total)
     acc, total, state, extras = _collective.all_reduce(
       local.leaves,
       first(acc),
-      first(total),
+      local_weights,
       first(state),
       axes,
       scatter,
       extras=list(first(stats) or ()),
+      wire_dtype=config.reduce_dtype,
+      skip=grads if hooked else None,
     )
+    final = None
+    if hooked:
+      acc, final, reduce_state = _collective.apply_reduce_fn(
+        local.leaves,
+        acc,
+        local_weights,
+        total,
+        local.grad_mask,
+        per_step,
+        axes,
+        config.reduce_fn,
+        reduce_state,
+      )
     result = _reduce.finalize(
-      local.leaves, acc, None if total is not None else per_step, config.split
+      local.leaves,
+      acc,
+      None if total is not None else per_step,
+      config.split,
+      final=final,
     )
     estimates = None
     if config.return_stats:
@@ -569,7 +597,7 @@ def run(
       result,
       is_leaf=_reduce.is_plan,
     )
-    return result, state, estimates
+    return result, state, estimates, reduce_state
 
   result_specs = jax.tree.unflatten(
     jax.tree.structure(local.leaves, is_leaf=_reduce.is_plan), out_specs
@@ -577,11 +605,13 @@ def run(
   reduced = jax.shard_map(
     reduce_body,
     mesh=mesh,
-    in_specs=(P(axes), P(axes), P(axes), P(axes)),
-    out_specs=(result_specs, P(), P()),
+    in_specs=(P(axes), P(axes), P(axes), P(axes), P(axes)),
+    out_specs=(result_specs, P(), P(), P(axes)),
     axis_names=set(axes),
   )
-  result, state, estimates = reduced(acc, total, state, stats)
+  result, state, estimates, reduce_state = reduced(
+    acc, total, state, stats, reduce_state
+  )
   result = jax.tree.map(
     lambda p, r: np.zeros(p.shape, jax.dtypes.float0) if p.mode == "float0" else r,
     local.leaves,
@@ -589,7 +619,8 @@ def run(
     is_leaf=_reduce.is_plan,
   )
   out = result if at.state is None else (result, state)
-  return out if estimates is None else (out, estimates)
+  out = out if estimates is None else (out, estimates)
+  return out if not hooked else (out, reduce_state)
 
 
 def data_parallel(
@@ -706,7 +737,7 @@ def data_parallel(
   config = _config.make_config(grad_fn, num_microbatches, **accumulate_kwargs)
   axes = _config.axis_tuple(axis, "axis")
 
-  def parallel(*args, num_real_microbatches=None, **kwargs):
+  def parallel(*args, num_real_microbatches=None, reduce_state=None, **kwargs):
     at = _config.positions(config, args, kwargs)
     the_mesh = mesh if mesh is not None else _find_mesh(args, at)
     return run(
@@ -719,6 +750,7 @@ def data_parallel(
       param_specs=param_specs,
       fsdp_mode=fsdp_mode,
       num_real=num_real_microbatches,
+      reduce_state=reduce_state,
     )
 
   return parallel

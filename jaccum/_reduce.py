@@ -312,6 +312,7 @@ def finalize(
   num_terms: int | None,
   split: Split,
   weights: Weights | None = None,
+  final: Any = None,
 ) -> Any:
   """Turns the carry into the reduced output, in each leaf's own dtype.
 
@@ -325,17 +326,25 @@ def finalize(
     weights: the weights, when weighted `"mean"` leaves still hold
       `Σ w out / Σ |w|` (one device's loop); None once the devices are
       combined, when they hold the mean.
+    final: bools, one per leaf: leaves that hold their result already (a
+      `reduce_fn` reduced them), only cast.
   """
+  plans, treedef = jax.tree.flatten(leaves, is_leaf=is_plan)
+  done = [False] * len(plans) if final is None else list(final)
 
-  def finalize_leaf(leaf: Leaf, acc: Any) -> Any:
+  def finalize_leaf(leaf: Leaf, acc: Any, done: bool) -> Any:
     if leaf.mode == "float0":
       return np.zeros(leaf.shape, jax.dtypes.float0)
     if leaf.mode == "concat":
       return merge_microbatches(acc, split)
-    if leaf.mode == "mean" and num_terms is not None:
+    if leaf.mode == "mean" and num_terms is not None and not done:
       acc = acc / num_terms
-    if leaf.mode == "mean" and weights is not None:
+    if leaf.mode == "mean" and weights is not None and not done:
       acc = weighted_mean(acc, weights.norm, weights.total)
     return jnp.astype(acc, leaf.dtype)
 
-  return jax.tree.map(finalize_leaf, leaves, carry, is_leaf=is_plan)
+  values = treedef.flatten_up_to(carry)
+  return jax.tree.unflatten(
+    treedef,
+    [finalize_leaf(*t) for t in zip(plans, values, done, strict=True)],
+  )

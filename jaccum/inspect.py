@@ -259,8 +259,9 @@ def _instructions(hlo_text: str) -> list[_Instruction]:
     result_type = rest[: match.start()] if match else ""
     types[name.replace("ROOT", "").strip().lstrip("%")] = result_type
     operands = []
-    if match:
-      operands = re.findall(r"%([\w.\-]+)", rest[match.end() - 1 :].split(")", 1)[0])
+    if match:  # `%name` in optimised HLO, `name` before optimisation
+      inner = rest[match.end() - 1 :].split(")", 1)[0]
+      operands = re.findall(r"%?([\w.\-]+)", inner)
     for attribute, value in _CALLS.findall(rest):
       for callee in set(re.findall(r"%?([\w.\-]+)", value)) & names:
         loop = opcode == "while" and attribute in ("body", "condition")
