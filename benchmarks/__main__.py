@@ -77,6 +77,10 @@ def _fsdp(args: argparse.Namespace) -> dict[str, Any]:
   return _in_own_process("fsdp", args)
 
 
+def _reduction(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("reduction", args)
+
+
 # name: how to run it. Parts run in this order, one at a time; the distributed
 # part's process is waited for before the next part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
@@ -87,6 +91,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "precision": _precision,
   "distributed": _distributed,
   "fsdp": _fsdp,
+  "reduction": _reduction,
 }
 
 

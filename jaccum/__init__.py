@@ -8,6 +8,7 @@ from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 from jaccum._pipeline import pipeline
+from jaccum._powersgd import PowerSGD, PowerSGDState
 from jaccum._stats import AccumulationStats, NoiseScaleEMA, NoiseScaleEMAState
 
 __version__ = "0.1.0"
@@ -19,6 +20,8 @@ __all__ = [
   "MultiStepsState",
   "NoiseScaleEMA",
   "NoiseScaleEMAState",
+  "PowerSGD",
+  "PowerSGDState",
   "accumulate",
   "data_parallel",
   "fit_microbatches",

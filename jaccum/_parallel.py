@@ -609,6 +609,10 @@ def run(
     out_specs=(result_specs, P(), P(), P(axes)),
     axis_names=set(axes),
   )
+  # One row per device: laid out so, as the reduction's shard_map reads it.
+  reduce_state = jax.tree.map(
+    lambda x: _place(x, mesh, P(axes), explicit), reduce_state
+  )
   result, state, estimates, reduce_state = reduced(
     acc, total, state, stats, reduce_state
   )
