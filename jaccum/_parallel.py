@@ -496,9 +496,10 @@ def run(
   else:
     per_device_error = None
   if per_device_error is not None:
-    if num_real is not None:
+    if num_real is not None or config.reduce_fn is not None:
       raise ValueError(
-        "num_real_microbatches needs the per-device loop, which cannot run "
+        "num_real_microbatches and reduce_fn need the per-device loop, which "
+        "cannot run "
         f"grad_fn here ({type(per_device_error).__name__}: {per_device_error})"
       ) from per_device_error
     return _as_the_whole_batch(

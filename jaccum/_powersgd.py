@@ -34,6 +34,16 @@ class PowerSGDState(NamedTuple):
       whole.
     error: what this device's estimate left out, added to its next gradient
       (error feedback), shaped like the leaf; None for a leaf summed whole.
+
+  Examples:
+    A 64 x 48 matrix is compressed at rank 2 (2 x 112 numbers sent, not
+    3,072); a vector is summed whole:
+
+    >>> import jax.numpy as jnp, jaccum
+    >>> state = jaccum.PowerSGD(rank=2).init(
+    ...   {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}, num_devices=8)
+    >>> state.q["w"].shape, state.error["w"].shape, state.q["b"]
+    ((8, 48, 2), (8, 64, 48), None)
   """
 
   q: Any
