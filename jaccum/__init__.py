@@ -8,12 +8,20 @@ from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 from jaccum._pipeline import pipeline
+from jaccum._schedule import (
+  BatchSchedule,
+  BatchSizeController,
+  BatchSizeControllerState,
+)
 from jaccum._stats import AccumulationStats, NoiseScaleEMA, NoiseScaleEMAState
 
 __version__ = "0.1.0"
 
 __all__ = [
   "AccumulationStats",
+  "BatchSchedule",
+  "BatchSizeController",
+  "BatchSizeControllerState",
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",
