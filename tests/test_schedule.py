@@ -249,7 +249,7 @@ def reference(controller: jaccum.BatchSizeController, k0: int, b_simples):
     ran += 1
     up = min(math.ceil(k * c.growth), c.max_num_microbatches)
     down = max(math.floor(k * c.shrink), c.min_num_microbatches)
-    new = k
+    new, b = k, b / c.headroom
     if ran >= c.cooldown:
       if b > k * c.microbatch_size:
         new = up
@@ -285,6 +285,8 @@ CONTROLLERS = [
   jaccum.BatchSizeController(10, 50, growth=1.5, shrink=0.75, lr_scaling="linear"),
   jaccum.BatchSizeController(3.5, 40, min_num_microbatches=3, growth=3, cooldown=4),
   jaccum.BatchSizeController(8, 32, shrink=1.0, cooldown=2, lr_scaling="sqrt"),
+  jaccum.BatchSizeController(2, 64, headroom=4, lr_scaling="sqrt"),
+  jaccum.BatchSizeController(5, 64, headroom=2.5, growth=1.5, shrink=0.6),
 ]
 
 
@@ -395,6 +397,14 @@ def test_learning_rate_factor(lr_scaling, scales):
   np.testing.assert_allclose([s for _, s in got], scales, rtol=1e-6)
 
 
+def test_headroom_keeps_the_batch_that_far_below_the_noise_scale():
+  controller = jaccum.BatchSizeController(8, 64, headroom=4)
+  # b_simple 200: grow while 200 > 4 · 8 · K, so K 1 -> 2 -> 4 -> 8 (4 · 64 >= 200).
+  assert [k for k, _ in run(controller, 1, [200] * 5)[0]] == [2, 4, 8, 8, 8]
+  # Shrink when 4 · 8 · down > b_simple: at 100, down = 4 gives 128 > 100.
+  assert [k for k, _ in run(controller, 8, [100] * 3)[0]] == [4, 4, 4]
+
+
 def test_no_estimate_holds_and_a_hidden_gradient_grows():
   controller = jaccum.BatchSizeController(8, 64)
   assert [k for k, _ in run(controller, 2, [np.nan] * 3)[0]] == [2, 2, 2]
@@ -492,6 +502,8 @@ def test_controller_state_jits_without_retracing_and_checkpoints(tmp_path):
     (dict(shrink=0), ValueError, r"shrink must be a factor in \(0, 1\]"),
     (dict(shrink=1.5), ValueError, r"shrink must be a factor in \(0, 1\]"),
     (dict(cooldown=0), ValueError, "cooldown must be an int >= 1, got 0"),
+    (dict(headroom=0.5), ValueError, "headroom must be a factor >= 1"),
+    (dict(headroom=None), TypeError, "headroom must be a number"),
     (dict(lr_scaling="cubic"), ValueError, "lr_scaling must be None, 'linear'"),
   ],
 )
