@@ -295,7 +295,7 @@ class BatchSchedule:
         `decay_steps` and `warmup_steps` are counted in examples.
 
     Returns:
-      `lambda step: fn(offset(step))`.
+      The function of the step `step -> fn(offset(step))`.
 
     Examples:
       Warm-up over the first 100 examples, whatever the batch does meanwhile:
