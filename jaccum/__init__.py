@@ -9,12 +9,20 @@ from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 from jaccum._pipeline import pipeline
 from jaccum._powersgd import PowerSGD, PowerSGDState
+from jaccum._schedule import (
+  BatchSchedule,
+  BatchSizeController,
+  BatchSizeControllerState,
+)
 from jaccum._stats import AccumulationStats, NoiseScaleEMA, NoiseScaleEMAState
 
 __version__ = "0.1.0"
 
 __all__ = [
   "AccumulationStats",
+  "BatchSchedule",
+  "BatchSizeController",
+  "BatchSizeControllerState",
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",
