@@ -25,11 +25,11 @@ within the budget. Printed per run: its loss at the budget, and the optimizer
 steps, examples and seconds to the target. The plot shows the loss against
 examples and K against steps.
 
-K is static here: each distinct K is its own compilation, and the
-noise-driven run compiles once per K it visits (the seconds include that;
-"compile" says how much). With `num_real_microbatches=` (issue 24, part 1),
-one compilation at capacity K_large serves every K: see `Trainer.train_step`,
-the one line to change.
+One compilation at capacity K_large serves every K: each step pads its
+batch to capacity and runs only its first K micro-batches
+(`num_real_microbatches=`, traced), so the noise-driven run does not
+recompile when K changes (the seconds include the one compilation;
+"compile" says how much).
 
   python examples/batch_schedule.py [--quick] [--tasks digits lm] [--out PATH.png]
 """
@@ -205,8 +205,8 @@ class Trainer:
     """The train step at K micro-batches; with a controller, the noise scale too.
 
     `split="contiguous"`: the first n micro-batches are the first n·m rows,
-    what a batch padded at its end to capacity needs once K is traced
-    (`num_real_microbatches=`); for a whole batch it changes nothing.
+    what a batch padded at its end to capacity needs with a traced K
+    (`num_real_microbatches=`).
     """
     if (num_microbatches, controller) in self.steps:
       return self.steps[num_microbatches, controller]
@@ -239,13 +239,18 @@ class Trainer:
     return self.steps[num_microbatches, controller]
 
   def train_step(self, state, batch, k: int, controller: Controller | None, lr_scale):
-    # The one place K enters the step. Today (K static), one compilation per
-    # distinct K. With issue 24 part 1 (K traced), one compilation at capacity
-    # serves every K: replace the line below by
-    #   return self.compiled_step(self.task.k_large, controller)(
-    #     *state, pad(batch), lr_scale, num_real_microbatches=k)
-    # with pad() appending zero rows up to k_large * microbatch_size.
-    return self.compiled_step(k, controller)(*state, batch, lr_scale)
+    # The one place K enters the step: one compilation at capacity K_large
+    # serves every K. The batch is padded at its end to capacity, and only
+    # its first k micro-batches run (num_real_microbatches, traced).
+    capacity = self.task.k_large
+    rows = capacity * self.task.microbatch_size
+    padded = jax.tree.map(
+      lambda x: np.concatenate([x, np.zeros((rows - len(x), *x.shape[1:]), x.dtype)]),
+      batch,
+    )
+    return self.compiled_step(capacity, controller)(
+      *state, padded, lr_scale, num_real_microbatches=jnp.int32(k)
+    )
 
   def run(self, name: str, examples: int, *, fixed_k=None, headroom=None) -> Run:
     """Trains from the same start on the same stream for `examples` examples.
