@@ -66,8 +66,11 @@ def init(key):
 
 
 def temp_bytes(mesh, options, num_microbatches, batch_rows):
-  pipe = jaccum.pipeline(stage_fn, num_microbatches, mesh=mesh, **options)
-  loss = lambda params, x: jnp.mean(jnp.sin(pipe(params, x)))
+  loss_fn = lambda y, t: jnp.sum(jnp.sin(y))
+  pipe = jaccum.pipeline(
+    stage_fn, num_microbatches, mesh=mesh, loss_fn=loss_fn, **options
+  )
+  loss = lambda params, x: pipe(params, x, None)
   step = jax.value_and_grad(loss, argnums=(0, 1))
   params = jax.eval_shape(init, jax.random.key(0))
   x = jax.ShapeDtypeStruct((batch_rows, WIDTH), jnp.float32)
