@@ -69,8 +69,18 @@ def _distributed(args: argparse.Namespace) -> dict[str, Any]:
   return record
 
 
+def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
+  # Its own process, for its 4 simulated devices, as the distributed part.
+  out = args.out / "pipeline.json.tmp"
+  command = [sys.executable, "-m", "benchmarks.pipeline", "--out", str(out)]
+  subprocess.run(command + (["--quick"] if args.quick else []), check=True)
+  record = json.loads(out.read_text())
+  out.unlink()
+  return record
+
+
 # name: how to run it. Parts run in this order, one at a time; the distributed
-# part's process is waited for before the next part starts.
+# and pipeline parts' processes are waited for before the next part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
   "loop": _loop,
@@ -78,6 +88,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "multisteps": _multisteps,
   "precision": _precision,
   "distributed": _distributed,
+  "pipeline": _pipeline,
 }
 
 
