@@ -340,73 +340,67 @@ def modelled(num_stages, num_chunks, num_microbatches, name):
 
 
 def plot_schedules(num_stages, num_microbatches, path: pathlib.Path) -> None:
+  """Each schedule as a timeline: a tick lasts as long as its busiest device's
+  work (a forward 1, a backward 2, a virtual stage's half that), and a device
+  runs its forward, then its backward, within it."""
   colors = {"F": "#4c8bd6", "B": "#f0913a"}
   panels = [
     ("gpipe", 1, "GPipe: a forward loop, then autodiff's backward loop"),
-    (
-      "1f1b",
-      1,
-      "1F1B (loss_fn in the last stage): one loop, forward (top) and "
-      "backward (bottom) per tick",
-    ),
+    ("1f1b", 1, "1F1B, the loss in the last stage: a forward and a backward per tick"),
     (
       "1f1b",
       2,
-      "1F1B with num_virtual_stages=2: two chunks per device (chunk 1 "
-      "hatched), half the work each",
+      "1F1B, num_virtual_stages=2: two stages per device (the second "
+      "hatched), each half the work",
     ),
   ]
-  loops = [schedule(num_stages, v, num_microbatches, n) for n, v, _ in panels]
-  width = max(sum(len(loop) + 1 for loop in ls) for ls in loops)
   fig, axes = plt.subplots(len(panels), 1, figsize=(12, 6.6))
-  for ax, (name, num_chunks, title), panel in zip(axes, panels, loops, strict=True):
-    offset = 0
-    scale = 1 / num_chunks if name == "1f1b" else 1
-    for loop in panel:
-      kinds = sorted({kind for tick in loop for cell in tick for kind, *_ in cell})
-      height = 1 / len(kinds)
-      for t, tick in enumerate(loop):
+  ends = []
+  for ax, (name, num_chunks, title) in zip(axes, panels, strict=True):
+    cost = {"F": 1 / num_chunks, "B": 2 / num_chunks}
+    time = 0.0
+    for loop in schedule(num_stages, num_chunks, num_microbatches, name):
+      for tick in loop:
+        width = max(sum(cost[kind] for kind, *_ in cell) for cell in tick)
         for s, cell in enumerate(tick):
-          found = {kind: (k, v) for kind, k, v in cell}
-          for i, kind in enumerate(kinds):
-            y = s + i * height
-            x0 = offset + t * scale
-            k_v = found.get(kind)
-            face = "#eeeeee" if k_v is None else colors[kind]
-            hatch = "////" if k_v is not None and k_v[1] == 1 else None
+          ax.add_patch(plt.Rectangle((time, s), width, 1, fc="#eeeeee", ec="white"))
+          start = time
+          for kind, k, v in sorted(cell, key=lambda w: "FB".index(w[0])):
             ax.add_patch(
-              plt.Rectangle((x0, y), scale, height, fc=face, ec="white", hatch=hatch)
-            )
-            if k_v is not None:
-              ax.text(
-                x0 + scale / 2,
-                y + height / 2,
-                k_v[0],
-                ha="center",
-                va="center",
-                fontsize=6,
+              plt.Rectangle(
+                (start, s),
+                cost[kind],
+                1,
+                fc=colors[kind],
+                ec="white",
+                hatch="////" if v == 1 else None,
               )
-      offset += len(loop) * scale + 1
-    ax.set(
-      xlim=(0, width - 1), ylim=(num_stages, 0), yticks=np.arange(num_stages) + 0.5
-    )
+            )
+            ax.text(
+              start + cost[kind] / 2, s + 0.5, k, ha="center", va="center", fontsize=6
+            )
+            start += cost[kind]
+        time += width
+    ends.append(time)
+    ax.set(ylim=(num_stages, 0), yticks=np.arange(num_stages) + 0.5)
     ax.set_yticklabels([f"device {s}" for s in range(num_stages)])
-    ax.set_xticks([])
-    ax.set_title(title, fontsize=9, loc="left")
-    for spine in ax.spines.values():
-      spine.set_visible(False)
+    ax.set_title(f"{title}: {time:g}", fontsize=9, loc="left")
+    for spine in ("top", "right", "left"):
+      ax.spines[spine].set_visible(False)
+  for ax in axes:
+    ax.set_xlim(0, max(ends))
+  axes[-1].set_xlabel("time, in forwards of one micro-batch through one stage")
   handles = [plt.Rectangle((0, 0), 1, 1, fc=colors[k]) for k in "FB"]
   handles.append(plt.Rectangle((0, 0), 1, 1, fc="#eeeeee"))
   fig.legend(
     handles, ["forward", "backward", "idle"], loc="lower center", ncol=3, fontsize=8
   )
   fig.suptitle(
-    f"S={num_stages} devices, K={num_microbatches} micro-batches (numbered); a "
-    "column is one tick, as long as a backward takes (a chunk's ticks are half as "
-    "long)",
+    f"S={num_stages} devices, K={num_microbatches} micro-batches (numbered), in "
+    "lockstep ticks",
     fontsize=10,
   )
-  fig.tight_layout(rect=(0, 0.05, 1, 1))
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
