@@ -9,11 +9,13 @@ device runs at most one stage forward (F) and, in 1F1B, one backward (B),
 then hands activations to the next device and cotangents to the previous one
 with a `ppermute`.
 
-`stage_fn` and `loss_fn` are traced once, outside the loop. The traced values
-they close over (a scale shared by all stages, a tied table, the head's
-weights) become inputs: their gradients are accumulated like the stage
-parameters' and reduced once, after the loop. Gradients accumulate in
-`accum_dtype` (float32) whatever the parameters' dtype.
+Everything runs in one `shard_map` over the stage and data axes, under
+`jit`. `stage_fn` and `loss_fn` are traced once, inside it, into programs
+that the loops run; the traced values they close over (a scale shared by all
+stages, a tied table, the head's weights) are explicit inputs of those
+programs, so their gradients accumulate like the stage parameters'.
+Gradients accumulate in `accum_dtype` (float32) whatever the parameters'
+dtype, and `shard_map`'s transpose sums each over the devices once.
 
 - `"gpipe"`: `jax.grad` differentiates the forward loop, whose backward runs
   after all the forwards.
@@ -93,10 +95,11 @@ def pipeline(
     (with `remat`: 2F + B, and only each tick's stage input). Needs no
     `loss_fn`, and forward mode (`jax.jvp`) works through it. Wins at small
     K, and where the loss cannot run inside the pipeline.
-  - `"1f1b"`: F + B; stage s keeps the residuals of 2(S − 1 − s)
-    micro-batches however large K is (with `remat`: 2F + B, and only their
-    stage inputs). Needs `loss_fn`; reverse mode only. Wins from K ≈ 2S on:
-    the least compute with memory flat in K.
+  - `"1f1b"`: F + B; a device keeps the residuals of at most 2S − 1
+    micro-batches however large K is (stage s needs 2(S − 1 − s) + 1; with
+    `remat`: 2F + B, and only their stage inputs). Needs `loss_fn`; reverse
+    mode only. From K ≈ 2S on: the least compute, or with `remat` the least
+    memory, which does not grow with K.
 
   In lockstep ticks both take (K + S − 1)(F + B); a stage is idle for the
   bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V` each
@@ -125,8 +128,9 @@ def pipeline(
       number of rows (or tokens).
     num_virtual_stages: stages per device, V (L = S·V stages in all).
     accum_dtype: floating gradients narrower than this (bfloat16) are
-      accumulated and reduced in it, and cast back at the end; `None` keeps
-      their dtype. The summed loss is accumulated in it too.
+      accumulated in it and cast back at the end (the stage parameters' are
+      also summed over devices in it); `None` keeps their dtype. The summed
+      loss is accumulated in it too.
 
   Returns:
     `f(stage_params, x, targets=None, *, rng=None, state=None)`. Every leaf
@@ -221,7 +225,7 @@ def pipeline(
       None if state is None else _stack_chunks(state, "state", ticks, axis)
     )
     batch = {"x": x} if loss_fn is None else {"x": x, "targets": targets}
-    batch_size = _check_batch(batch, num_microbatches, num_shards, data_axes)
+    _check_batch(batch, num_microbatches, num_shards, data_axes)
     key_data, key_impl = (None, None) if rng is None else _check_key(rng)
     layout = _Layout(ticks, axis, data_axes, bool(remat), accum, key_impl)
     param_dtypes = jax.tree.map(_dtype, params)
@@ -245,6 +249,7 @@ def pipeline(
         out, state = _one_f_one_b(layout, stage, head, param_dtypes, args)
       else:
         out, state = _gpipe(layout, stage, head, param_dtypes, args)
+      out = out if head is None else out[None]  # each device's share
       return out, _combine_state(layout, _device_chunks(state))
 
     # Parameters enter in `accum_dtype` and are cast to their own dtype where
@@ -270,7 +275,6 @@ def pipeline(
     out, new_state = sharded(*_placed(mesh, specs, inputs))
     if loss_fn is not None:
       out = jnp.sum(out)
-    del batch_size
     if state is None:
       return out
     return out, _unstack_chunks(new_state, ticks)
@@ -525,9 +529,9 @@ def _gpipe(
 ) -> tuple[Any, Any]:
   """A device's forward loop (and head); `jax.grad` makes the backward loop.
 
-  Returns the output (replicated over the stages) or the summed loss, and
-  the device's state. Closed-over values are used in `accum_dtype` too, so
-  that their gradients accumulate in it.
+  Returns the output (replicated over the stages) or the device's share of
+  the summed loss, and the device's state. Closed-over values are used in
+  `accum_dtype` too, so that their gradients accumulate in it.
   """
   num_microbatches = layout.ticks.num_microbatches
   widen = lambda leaves: [c.astype(layout.accum_dtype(c.dtype)) for c in leaves]
@@ -548,8 +552,7 @@ def _gpipe(
     return traced(_cast(head_consts, [c.dtype for c in args.head_consts]), y, t)
 
   targets = _split(args.targets, num_microbatches)
-  total = _total_loss(layout, traced.out_dtype, loss, outputs, targets)
-  return total[None], state
+  return _total_loss(layout, traced.out_dtype, loss, outputs, targets), state
 
 
 def _forward_loop(
@@ -618,7 +621,6 @@ _MOVES = frozenset(
     "concatenate",
     "convert_element_type",
     "copy",
-    "copy_p",
     "dynamic_slice",
     "expand_dims",
     "gather",
@@ -685,11 +687,10 @@ def _one_f_one_b(
   over the devices. Returns the summed loss and the device's state.
   """
   like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), _dtype(a)), args)
-  local_loss = lambda args: _gpipe_local_loss(layout, stage, head, param_dtypes, args)
 
   @jax.custom_vjp
   def run(args):
-    return local_loss(args)
+    return _gpipe(layout, stage, head, param_dtypes, args)
 
   def run_fwd(args):
     loss, state, grads = _one_f_one_b_loop(layout, stage, head, param_dtypes, args)
@@ -718,25 +719,7 @@ def _one_f_one_b(
     return (cotangent,)
 
   run.defvjp(run_fwd, run_bwd)
-  loss, state = run(args)
-  return loss[None], state
-
-
-def _gpipe_local_loss(
-  layout: _Layout, stage: _Traced, head: _Traced, param_dtypes: Any, args: _Args
-) -> tuple[jax.Array, Any]:
-  """GPipe's forward loop and head on one device: its share of the loss, its state."""
-  num_microbatches = layout.ticks.num_microbatches
-
-  def run(params, x, key, state):
-    return stage(args.stage_consts, _cast(params, param_dtypes), x, key, state)
-
-  xs = _split(args.x, num_microbatches)
-  key = layout.wrap_key(args.key)
-  outputs, state = _forward_loop(layout, run, args.params, xs, key, args.state)
-  loss = lambda y, t: head(args.head_consts, y, t)
-  targets = _split(args.targets, num_microbatches)
-  return _total_loss(layout, head.out_dtype, loss, outputs, targets), state
+  return run(args)
 
 
 class _Accumulators(NamedTuple):
