@@ -453,7 +453,9 @@ def test_pytree_activations_keep_their_dtypes(schedule):
 # --- what stage_fn and loss_fn close over -----------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe+loss", "1f1b", "1f1b+remat×2"])
+@pytest.mark.parametrize(
+  "schedule", ["gpipe+loss", "gpipe+remat×2", "1f1b", "1f1b+remat×2"]
+)
 def test_closed_over_values_get_gradients(schedule):
   """A scale shared by all stages, a table the stages and the head both use,
   the head's weights: their gradients are summed over stages and micro-batches,
