@@ -58,29 +58,32 @@ def _precision(args: argparse.Namespace) -> dict[str, Any]:
   return multisteps_precision.run(args.quick)
 
 
-def _distributed(args: argparse.Namespace) -> dict[str, Any]:
+def _in_own_process(module: str, args: argparse.Namespace) -> dict[str, Any]:
   # Its own process: it needs 8 simulated CPU devices, set before JAX starts,
   # and this process's single-device measurements must not share them.
-  out = args.out / "distributed.json.tmp"
-  command = [sys.executable, "-m", "benchmarks.distributed", "--out", str(out)]
+  out = args.out / f"{module}.json.tmp"
+  command = [sys.executable, "-m", f"benchmarks.{module}", "--out", str(out)]
   subprocess.run(command + (["--quick"] if args.quick else []), check=True)
   record = json.loads(out.read_text())
   out.unlink()
   return record
+
+
+def _distributed(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("distributed", args)
+
+
+def _fsdp(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("fsdp", args)
 
 
 def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
-  # Its own process, for its 4 simulated devices, as the distributed part.
-  out = args.out / "pipeline.json.tmp"
-  command = [sys.executable, "-m", "benchmarks.pipeline", "--out", str(out)]
-  subprocess.run(command + (["--quick"] if args.quick else []), check=True)
-  record = json.loads(out.read_text())
-  out.unlink()
-  return record
+  return _in_own_process("pipeline", args)
 
 
-# name: how to run it. Parts run in this order, one at a time; the distributed
-# and pipeline parts' processes are waited for before the next part starts.
+# name: how to run it. Parts run in this order, one at a time; the processes
+# of the distributed, fsdp and pipeline parts are waited for before the next
+# part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
   "loop": _loop,
@@ -88,6 +91,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "multisteps": _multisteps,
   "precision": _precision,
   "distributed": _distributed,
+  "fsdp": _fsdp,
   "pipeline": _pipeline,
 }
 
@@ -101,6 +105,8 @@ def write_report(record: dict[str, Any], out: pathlib.Path) -> None:
     written += plots.plot_sweep(record, out)
   if "families" in record["parts"].get("conv", {}):
     written += plots.plot_conv(record, out)
+  if "rows" in record["parts"].get("fsdp", {}):
+    written += plots.plot_fsdp(record, out)
   print("wrote " + ", ".join(str(p) for p in written))
 
 
@@ -168,7 +174,8 @@ def main() -> None:
       result |= {"date": _record.now(), "command": command}
       result["machine"] = _record.machine()
     result["load_average"] = [load_before, _record.load()]
-    result["seconds"] = time.perf_counter() - part_start
+    # Not "seconds": the loop part keeps its per-variant medians there.
+    result["part_seconds"] = time.perf_counter() - part_start
     # This process's CPU time (the distributed part's runs in a child).
     result["cpu_seconds"] = time.process_time() - cpu_start
     record["parts"][name] = result

@@ -158,3 +158,32 @@ def plot_conv(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return [path]
+
+
+def plot_fsdp(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+  """Writes `fsdp.png`: temporaries per device against the params' size, per mode."""
+  fsdp = record["parts"]["fsdp"]
+  ks = sorted({row["K"] for row in fsdp["rows"]})
+  fig, axes = plt.subplots(1, len(ks), figsize=(4.6 * len(ks), 4.4), squeeze=False)
+  for ax, k in zip(axes[0], ks, strict=True):
+    for mode in ("gather_once", "shard_grads", "shard_all"):
+      rows = [r for r in fsdp["rows"] if r["K"] == k and r["mode"] == mode]
+      ax.plot(
+        [r["params_bytes"] / 2**20 for r in rows],
+        [r["temp_bytes"] / 2**20 for r in rows],
+        marker="o",
+        label=mode,
+      )
+    ax.set_xlabel("params (MiB, whole)")
+    ax.set_title(f"K={k} micro-batches per device", fontsize=10)
+    ax.grid(True, alpha=0.3)
+  axes[0][0].set_ylabel("temporaries per device (MiB, XLA)")
+  axes[0][0].legend(fontsize=9)
+  fig.suptitle(f"FSDP modes on {len(fsdp['devices'])} simulated devices: memory")
+  part = {**record, **{k: fsdp[k] for k in ("date", "machine") if k in fsdp}}
+  fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
+  fig.tight_layout(rect=(0, 0.05, 1, 1))
+  path = out / "fsdp.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return [path]

@@ -354,7 +354,8 @@ def pipeline_section(pipeline: dict[str, Any]) -> str:
       f"## Pipeline: {S} stages on {S} simulated CPU devices\n",
       f"{pipeline['num_blocks']} residual MLP blocks ({pipeline['width']} → "
       f"{pipeline['hidden']} → {pipeline['width']}, GELU), "
-      f"{pipeline['num_blocks'] // S} per stage (1 per virtual stage with V = 2), micro-batches of "
+      f"{pipeline['num_blocks'] // S} per stage (1 per virtual stage with V = 2), "
+      "micro-batches of "
       f"{pipeline['microbatch_rows']} rows, `value_and_grad` of `sum(sin(y))` "
       'computed by the last stage (`loss_fn`; "loss after": plain JAX on the '
       "pipeline's output). Temporaries per device in MB (`jaccum.inspect.memory`) "
@@ -375,6 +376,49 @@ def pipeline_section(pipeline: dict[str, Any]) -> str:
   )
 
 
+def fsdp_section(fsdp: dict[str, Any]) -> str:
+  mib = lambda b: f"{b / 2**20:.2f}"
+  rows = [
+    [
+      r["width"],
+      mib(r["params_bytes"]),
+      r["K"],
+      r["mode"],
+      mib(r["temp_bytes"]),
+      f"{r['temp_bytes'] / r['params_bytes']:.2f}",
+      mib(r["bytes_per_step"]),
+      f"{r['bytes_per_step'] / r['params_bytes']:.1f}",
+      f"{r['step_ms_cpu']:.1f}",
+    ]
+    for r in fsdp["rows"]
+  ]
+  return "\n".join(
+    [
+      f"## FSDP modes: {len(fsdp['devices'])} simulated CPU devices\n",
+      f"{fsdp['model']}; {fsdp['rows_per_microbatch_per_device']} rows per "
+      "micro-batch per device. Per device, from the compiled program: XLA's "
+      "temporaries and the bytes the collectives move per step (P: the "
+      "params' bytes). Step times are on simulated CPU devices sharing the "
+      "machine's cores.\n",
+      markdown_table(
+        [
+          "width",
+          "params MiB",
+          "K",
+          "mode",
+          "temporaries MiB",
+          "÷ P",
+          "wire MiB/step",
+          "÷ P",
+          "step ms (CPU)",
+        ],
+        rows,
+        "rrrlrrrrr",
+      ),
+    ]
+  )
+
+
 SECTIONS = {
   "sweep": sweep_section,
   "loop": loop_section,
@@ -382,6 +426,7 @@ SECTIONS = {
   "multisteps": multisteps_section,
   "precision": precision_section,
   "distributed": distributed_section,
+  "fsdp": fsdp_section,
   "pipeline": pipeline_section,
 }
 

@@ -29,8 +29,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-  # Submodules load on first use: `jaccum.nnx` and `jaccum.linen` import Flax,
-  # `jaccum.inspect` is for checking compiled steps; none is needed to accumulate.
+  # Submodules load on first use: `jaccum.nnx` imports Flax, `jaccum.linen` is
+  # for Flax Linen's train steps, `jaccum.inspect` is for checking compiled
+  # steps; none is needed to accumulate.
   if name in ("inspect", "linen", "nnx"):
     return importlib.import_module(f"jaccum.{name}")
   raise AttributeError(f"module 'jaccum' has no attribute {name!r}")

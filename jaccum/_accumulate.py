@@ -113,8 +113,9 @@ def accumulate(
       returned, and the result is `(reduced_out, final_state)`. Stateful
       layers therefore advance K times per step (BatchNorm's running averages
       take K updates of momentum, a step counter counts micro-batches).
-    axis_name: for use inside your own `shard_map` (or `pmap`): the mesh axis
-      (or axes) the batch is split over. Each device accumulates its own K
+    axis_name: for use inside your own `shard_map` (or `pmap`, or a `vmap`
+      with `axis_name`): the mesh axis (or axes) the batch is split over.
+      Each device (or vmapped instance) accumulates its own K
       micro-batches with no communication in the loop (non-batch arguments
       and keyword arguments are cast to device-varying first, so no psum
       enters the backward pass), then one all-reduce combines the devices:
@@ -148,7 +149,17 @@ def accumulate(
 
   Returns:
     A function with `grad_fn`'s signature, usable with or without `jit`;
-    with `return_stats`, it returns `(result, stats)`.
+    with `return_stats`, it returns `(result, stats)`. It also takes the
+    keyword `num_real_microbatches=n` (as optax's `microbatch` does): K is
+    then the batch's capacity, and only micro-batches 0..n-1 in split order
+    run (the first n·N/K rows with `split="contiguous"`), in a while loop
+    that skips the rest rather than masking them; one compilation serves
+    every n. Means divide by what ran (or by its weights), `"sum"`, `"max"`,
+    `"min"` and threaded state see only the real micro-batches, `"last"` is
+    micro-batch n-1's, and `"concat"` rows of skipped micro-batches are zeros;
+    n = 0 gives zeros. A Python int outside [0, K] is an error; a traced n is
+    clamped to [0, K]. On many devices (`data_parallel`) each device may run
+    its own count: pass one per device, shape `[devices]`.
     Put it inside your jitted train step: called eagerly, it traces and
     compiles its loop again on every call.
 
@@ -187,11 +198,12 @@ def accumulate(
   # `updated=()`: the wrapper takes grad_fn's name and docstring, not its
   # attributes (an Equinox module's fields would make it look like a module).
   @functools.wraps(grad_fn, updated=())
-  def accumulated(*args, **kwargs):
+  def accumulated(*args, num_real_microbatches=None, **kwargs):
     at = _config.positions(config, args, kwargs)
+    num_real = num_real_microbatches
     route = None if config.axes is not None else _parallel.explicit_batch_axes(args, at)
     if route is None:
-      return _loop.run(config, at, args, kwargs)
+      return _loop.run(config, at, args, kwargs, num_real)
     mesh, axes = route
     if at.state is not None and any(
       jnp.issubdtype(jnp.result_type(x), jnp.inexact)
@@ -208,6 +220,7 @@ def accumulate(
       mesh=mesh,
       axes=axes,
       unsharded_meaning=True,
+      num_real=num_real,
     )
 
   # No `__wrapped__` (functools.wraps sets it): Equinox follows it from any

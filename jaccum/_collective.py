@@ -29,12 +29,17 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 
 def cast_varying(tree: Any, axes: Sequence[str] | frozenset[str]) -> Any:
-  """Casts every array leaf of `tree` to vary over `axes` (a no-op where it does)."""
+  """Casts every array leaf of `tree` to vary over `axes` (a no-op where it does).
+
+  Only manual axes (`shard_map`, `pmap`) type values as varying; over a
+  `vmap` axis nothing is cast.
+  """
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
 
   def cast(x):
     if not isinstance(x, jax.Array):
       return x
-    missing = tuple(a for a in axes if a not in varying_axes(x))
+    missing = tuple(a for a in axes if a in manual and a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)
@@ -104,7 +109,7 @@ def all_reduce(
   weights: _reduce.Weights | None,
   state: Any,
   axes: tuple[str, ...],
-  scatter: list[int | None] | None = None,
+  scatter: list[Any] | None = None,
   extras: Sequence[jax.Array] = (),
 ) -> tuple[Any, jax.Array | None, Any, list[jax.Array]]:
   """Combines the per-device accumulators, one fused all-reduce for the sums.
@@ -114,10 +119,12 @@ def all_reduce(
   `Σ_d norm_d acc_d / Σ_d total_d` (`weights`), in float32 at least. These
   sums, the total weight and the floating state go into a single `psum` (XLA fuses its
   operands into one all-reduce); `"max"` and `"min"` leaves take a `pmax` and
-  a `pmin`. `"concat"` and `"last"` leaves stay per device. Leaves given a
-  dimension in `scatter` (one entry per leaf; FSDP gradients) are
-  reduce-scattered along it instead, so each device keeps the shard its
-  parameters live on. Floating state is averaged over devices (BatchNorm
+  a `pmin`. `"concat"` and `"last"` leaves stay per device. Leaves given an
+  `_fsdp.Sharded` in `scatter` (one entry per leaf; FSDP gradients) are
+  reduce-scattered over its axes instead, so each device keeps the shard its
+  parameters live on, and summed over the other data axes (HSDP's replicas);
+  leaves the loop scattered already (`Leaf.scattered`) are only summed over
+  the other axes. Floating state is averaged over devices (BatchNorm
   statistics, as synchronised BatchNorm does); other state (counters, keys,
   flags) takes device 0's value.
 
@@ -129,24 +136,41 @@ def all_reduce(
   """
   plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
   values = treedef.flatten_up_to(acc)
-  dims = [None] * len(plans) if scatter is None else scatter
+  hows = [None] * len(plans) if scatter is None else scatter
   weighted = weights is not None
   total = None if weights is None else weights.total
 
   def summand(i):
-    if weights is not None and plans[i].mode == "mean":
+    # A scattered leaf holds Σ w·out already; others Σ w·out / Σ |w|.
+    if weights is not None and plans[i].mode == "mean" and not plans[i].scattered:
       compute = jnp.promote_types(values[i].dtype, weights.norm.dtype)
       return values[i].astype(compute) * weights.norm.astype(compute)
     return values[i]
 
   summed = [
-    i for i, p in enumerate(plans) if p.mode in ("mean", "sum") and dims[i] is None
+    i
+    for i, p in enumerate(plans)
+    if p.mode in ("mean", "sum") and hows[i] is None and p.scattered is None
   ]
-  for i, dim in enumerate(dims):
-    if dim is not None and plans[i].mode in ("mean", "sum"):
-      values[i] = jax.lax.psum_scatter(
-        summand(i), axes, scatter_dimension=dim, tiled=True
-      )
+  # Sharded over some axes: scattered over those, summed over the rest.
+  by_rest: dict[tuple[str, ...], list[int]] = {}
+  for i, p in enumerate(plans):
+    how = hows[i] if p.mode in ("mean", "sum") else None
+    if how is not None:
+      values[i] = how.scatter(summand(i))
+    how = how or p.scattered
+    rest = () if how is None else tuple(a for a in axes if a not in how.axes)
+    if rest:
+      by_rest.setdefault(rest, []).append(i)
+  for rest, indices in by_rest.items():
+    for i, value in zip(
+      indices,
+      jax.lax.psum(
+        [summand(i) if hows[i] is None else values[i] for i in indices], rest
+      ),
+      strict=True,
+    ):
+      values[i] = value
 
   state_values, state_def = jax.tree.flatten(state)
   floating = [jnp.issubdtype(jnp.result_type(s), jnp.inexact) for s in state_values]

@@ -255,6 +255,19 @@ def check_no_stateful_graph_nodes(args: Sequence[Any], kwargs: dict[str, Any]) -
         )
 
 
+def batch_hint(config: Config, at: Positions) -> str:
+  """Says which option made these arguments the batch, for batch errors."""
+  names = ", ".join(f"args[{i}]" for i in at.batch)
+  argnums = config.batch_argnums
+  shown = argnums[0] if len(argnums) == 1 else argnums
+  return (
+    f" ({names} {'is' if len(at.batch) == 1 else 'are'} the batch because "
+    f"batch_argnums={shown}{' (the default)' if argnums == (1,) else ''}; if the "
+    f"batch is another argument, e.g. loss(batch, params), pass "
+    f"batch_argnums=its position.)"
+  )
+
+
 def call_weight_fn(weight_fn: Callable[..., Any], args: Sequence[Any]) -> jax.Array:
   """`weight_fn(*args)`, checked: a clear error if its signature cannot take them."""
   try:

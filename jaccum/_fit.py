@@ -23,7 +23,7 @@ if TYPE_CHECKING:
   from jaccum.inspect import MemoryStats
 
 # Options only `data_parallel` takes: passing any of them fits its step.
-_PARALLEL_OPTIONS = ("mesh", "axis", "param_specs")
+_PARALLEL_OPTIONS = ("mesh", "axis", "param_specs", "fsdp_mode")
 
 
 class MicrobatchFit(NamedTuple):
@@ -329,9 +329,10 @@ def fit_microbatches(
   candidates in increasing order up to the first that fits. Before it says
   that none fits, it compiles every candidate it skipped.
 
-  With any of `data_parallel`'s options (`mesh`, `axis`, `param_specs`) it
-  fits `jax.jit(data_parallel(grad_fn, K, ...))` instead: K is then the
-  number of micro-batches per device, and the budget is per device.
+  With any of `data_parallel`'s options (`mesh`, `axis`, `param_specs`,
+  `fsdp_mode`) it fits `jax.jit(data_parallel(grad_fn, K, ...))` instead: K
+  is then the number of micro-batches per device, and the budget is per
+  device.
 
   Args:
     grad_fn: as for `accumulate`.
@@ -343,7 +344,8 @@ def fit_microbatches(
     candidates: the K to choose from; defaults to every divisor of the batch
       size (of the per-device batch size with `data_parallel`).
     **accumulate_kwargs: options of `accumulate` (`batch_argnums`,
-      `reduce`, …) or of `data_parallel` (`mesh`, `axis`, `param_specs`).
+      `reduce`, …) or of `data_parallel` (`mesh`, `axis`, `param_specs`,
+      `fsdp_mode`).
 
   Returns:
     A `MicrobatchFit`; `print` it for a table of every K compiled.

@@ -18,7 +18,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _conv_layout, _jaxpr, _reduce, _stats
+from jaccum import _collective, _config, _conv_layout, _fsdp, _jaxpr, _reduce, _stats
 from jaccum._config import Config, Positions, call_weight_fn
 from jaccum._microbatch import check_batch, take_microbatch
 
@@ -125,7 +125,8 @@ def gradient_mask(
     differentiable = jax.tree.map(
       lambda p: (
         p
-        if isinstance(p, ARRAY_TYPES) and jnp.issubdtype(p.dtype, jnp.inexact)
+        if isinstance(p, (*ARRAY_TYPES, jax.ShapeDtypeStruct))
+        and jnp.issubdtype(p.dtype, jnp.inexact)
         else None
       ),
       params,
@@ -133,7 +134,10 @@ def gradient_mask(
     layouts = [
       (jax.tree.structure(tree), [np.shape(p) for p in jax.tree.leaves(tree)])
       for tree in (params, differentiable)
-      if all(isinstance(p, (*ARRAY_TYPES, int, float)) for p in jax.tree.leaves(tree))
+      if all(
+        isinstance(p, (*ARRAY_TYPES, jax.ShapeDtypeStruct, int, float))
+        for p in jax.tree.leaves(tree)
+      )
     ]
 
   def is_gradient(node, node_modes):
@@ -168,6 +172,27 @@ def gradient_mask(
     "grad_leaves=(True, False) for jax.grad(loss, has_aux=True)'s (grads, aux), "
     "grad_leaves=(False, True) for value_and_grad's (loss, grads)."
   )
+
+
+def _scattered_plan(
+  leaves: Any, grad_mask: Any, grads: list[Any], num_outputs: int
+) -> tuple[Any, list[Any]]:
+  """Marks the gradients FSDP scatters each micro-step, in the plan and by output.
+
+  Returns the plan with those leaves' carries sharded, and for each output of
+  the traced micro-step (the output's leaves come first) how it is split.
+  """
+  plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
+  outputs: list[Any] = [None] * num_outputs
+  positions = [i for i, on in enumerate(jax.tree.leaves(grad_mask)) if on]
+  for i, how in zip(positions, grads, strict=True):
+    if how is None or plans[i].mode not in ("mean", "sum"):
+      continue
+    how = how._replace(dtype=plans[i].carry_dtype)  # summed in the carry's dtype
+    outputs[i] = how
+    shape = _fsdp.shard_shape(plans[i].shape, how)
+    plans[i] = plans[i]._replace(shape=shape, scattered=how)
+  return jax.tree.unflatten(treedef, plans), outputs
 
 
 class Local(NamedTuple):
@@ -231,6 +256,8 @@ def scan(
   *,
   axes: tuple[str, ...] | None = None,
   needs_grads: str | None = None,
+  fsdp: _fsdp.Plan | None = None,
+  num_real: Any = None,
 ) -> Local:
   """Runs `grad_fn` over K micro-batches of the batch arguments, on this device.
 
@@ -244,12 +271,17 @@ def scan(
       and the key is folded with the device index.
     needs_grads: what needs the gradient leaves found, if anything (e.g.
       "FSDP (param_specs)"): then not finding them is an error.
+    fsdp: FSDP's sharded modes (`_fsdp.Plan`): params that arrive as shards,
+      gradients reduce-scattered by every micro-step.
+    num_real: run only the first this many micro-batches (an int scalar,
+      traced or not, checked by `check_num_real`); None runs all K.
   """
   num_microbatches, split = config.num_microbatches, config.split
   batch_size = check_batch(
     [args[i] for i in at.batch],
     num_microbatches,
     names=[f"args[{i}]" for i in at.batch],
+    hint=_config.batch_hint(config, at),
   )
   args = list(args)
   extras = (config.bound_args, {**config.bound_kwargs, **kwargs})
@@ -285,6 +317,10 @@ def scan(
 
   def micro_step(step_args, extras):
     bound_args, all_kwargs = extras
+    # The weight first: FSDP's sharded modes weight each gradient as it is made.
+    weight = None
+    if config.weight_fn is not None:
+      weight = call_weight_fn(config.weight_fn, step_args)
     try:
       out = config.grad_fn(*bound_args, *step_args, **all_kwargs)
     except Exception as error:
@@ -293,14 +329,22 @@ def scan(
     new_state = None
     if at.state is not None:
       out, new_state = _check_state_output(out, step_args[at.state])
-    weight = None
-    if config.weight_fn is not None:
-      weight = call_weight_fn(config.weight_fn, step_args)
     return out, new_state, weight
 
   state0 = None if at.state is None else args[at.state]
   flat, treedef = jax.tree.flatten((micro_args(0, state0), extras))
   dynamic = [isinstance(x, ARRAY_TYPES) for x in flat]
+  # FSDP's "shard_all": the params (argument 0, the first leaves) arrive as
+  # shards; the micro-step is traced on whole ones, as the user wrote it.
+  sharded_inputs: list[_fsdp.Sharded | None] = [None] * len(flat)
+  if fsdp is not None:
+    sharded_inputs[: len(fsdp.params)] = fsdp.params
+  examples = [
+    x
+    if how is None
+    else jax.ShapeDtypeStruct(_fsdp.whole_shape(np.shape(x), how), jnp.result_type(x))
+    for x, how in zip(flat, sharded_inputs, strict=True)
+  ]
 
   def traced(*values):
     it = iter(values)
@@ -308,7 +352,7 @@ def scan(
     return micro_step(*jax.tree.unflatten(treedef, full))
 
   closed, shapes = jax.make_jaxpr(traced, return_shape=True)(
-    *(x for x, d in zip(flat, dynamic, strict=True) if d)
+    *(x for x, d in zip(examples, dynamic, strict=True) if d)
   )
   out_shape, _, weight_shape = shapes
   out_tree = jax.tree.structure(shapes)
@@ -320,16 +364,33 @@ def scan(
 
   rows = batch_size // num_microbatches
   leaves = _reduce.plan(config.reduce, out_shape, config.accum_dtype, rows, split)
+  params = params_of(config, at, args)
+  if fsdp is not None:  # argument 0, whole, as the micro-step saw it
+    params = jax.tree.unflatten(
+      jax.tree.structure(args[0]), examples[: len(jax.tree.leaves(args[0]))]
+    )
   grad_mask = gradient_mask(
     out_shape,
-    params_of(config, at, args),
+    params,
     config.grad_leaves,
     leaves,
     "return_stats=True" if config.return_stats else needs_grads,
   )
+  fsdp_inputs = [h for h, d in zip(sharded_inputs, dynamic, strict=True) if d]
+  fsdp_outputs: list[_fsdp.Sharded | None] = [None] * len(closed.jaxpr.outvars)
+  if fsdp is not None:
+    leaves, fsdp_outputs = _scattered_plan(
+      leaves, grad_mask, fsdp.grads, len(fsdp_outputs)
+    )
+  use_fsdp = any(fsdp_inputs) or any(fsdp_outputs)
   total0 = None
-  if weight_shape is not None:
-    dtype = _reduce.weights_dtype(weight_shape.dtype, leaves)
+  # With a count of real micro-batches and no weight_fn, every micro-batch
+  # weighs its rows: the mean then divides by what ran, however many devices
+  # ran how many, and a count of 0 gives zeros.
+  unit_weights = num_real is not None and weight_shape is None
+  if weight_shape is not None or unit_weights:
+    weight_dtype = jnp.float32 if weight_shape is None else weight_shape.dtype
+    dtype = _reduce.weights_dtype(weight_dtype, leaves)
     total0 = _reduce.Weights(_reduce.zeros(dtype), _reduce.zeros(dtype))
   stats0 = None
   if config.return_stats:
@@ -357,14 +418,30 @@ def scan(
   def body(carry, index):
     acc, state, total, stats = carry
     values = jax.tree.leaves((micro_args(index, state), extras))
-    flat_out = jax.core.eval_jaxpr(
-      closed.jaxpr,
-      closed.consts,
-      *(x for x, d in zip(values, dynamic, strict=True) if d),
-    )
+    values = [x for x, d in zip(values, dynamic, strict=True) if d]
+    scattered_norms = []
+    # Shards tied to the iteration: XLA would hoist a gather of a
+    # loop-invariant shard out of the loop, and keep it whole throughout.
+    values = [
+      _fsdp.tied(v, index) if how else v
+      for v, how in zip(values, fsdp_inputs, strict=True)
+    ]
+    if use_fsdp:
+      flat_out, scattered_norms = _fsdp.evaluate(
+        closed.jaxpr,
+        closed.consts,
+        values,
+        fsdp_inputs,
+        fsdp_outputs,
+        weight=len(fsdp_outputs) - 1 if weight_shape is not None else None,
+      )
+    else:
+      flat_out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
     out, state, weight = jax.tree.unflatten(out_tree, flat_out)
     # A weight_fn returning a Python number (len(x)) comes back as a literal.
     weight = None if weight is None else jnp.asarray(weight)
+    if unit_weights:
+      weight = jnp.float32(rows)
     before = total
     if weight is not None:
       total = _reduce.add_weight(total, weight)
@@ -373,7 +450,15 @@ def scan(
       # One scalar per micro-step: the gradient noise scale needs nothing else.
       w = jnp.asarray(rows if weight is None else weight, jnp.float32)
       sq_sum, count = stats
-      sq = jnp.where(w != 0, w * _stats.sq_norm(out, grad_mask), 0)
+      # Scattered gradients: the norms of their whole values, taken before.
+      whole = jax.tree.map(
+        lambda on, leaf: on and leaf.scattered is None,
+        grad_mask,
+        leaves,
+        is_leaf=_reduce.is_plan,
+      )
+      norm = _stats.sq_norm(out, whole) + sum(scattered_norms, jnp.float32(0))
+      sq = jnp.where(w != 0, w * norm, 0)
       stats = (sq_sum + sq, count + (w != 0).astype(jnp.float32))
     return (acc, state, total, stats), None
 
@@ -384,11 +469,18 @@ def scan(
     None
     if total0 is None
     else _collective.match_varying(
-      total0, jax.tree.map(lambda _: weight_shape, total0)
+      total0,
+      jax.tree.map(lambda t: t if weight_shape is None else weight_shape, total0),
     ),
     stats0,
   )
-  if num_microbatches == 1:
+  if num_real is not None:
+    # A traced count: a while loop that runs only the real micro-batches, so
+    # the others cost nothing (masking them would still compute them).
+    (acc, state, total, stats) = jax.lax.fori_loop(
+      0, num_real, lambda i, carry: body(carry, i)[0], carry0
+    )
+  elif num_microbatches == 1:
     # One micro-batch is the whole batch: no loop, so XLA schedules the step
     # as it would without accumulation (a scan of length 1 keeps a carry).
     (acc, state, total, stats), _ = body(carry0, jnp.int32(0))
@@ -436,6 +528,38 @@ def output_shapes_at(
   return jax.eval_shape(
     micro_step, *(x for x, d in zip(flat, dynamic, strict=True) if d)
   )
+
+
+def check_num_real(num_real: Any, num_microbatches: int, per_device: int = 0) -> Any:
+  """The count of real micro-batches, checked: an int in [0, K], or a traced one.
+
+  A Python (or NumPy) int outside [0, K] is an error now; a traced count is
+  clamped to [0, K] when it runs (nothing can be raised then). With
+  `per_device` devices (`data_parallel`) it may also be one count per device,
+  shape `[devices]`.
+  """
+  shape = np.shape(num_real)
+  dtype = jnp.result_type(num_real)
+  if not jnp.issubdtype(dtype, jnp.integer) or isinstance(num_real, bool):
+    raise TypeError(
+      f"num_real_microbatches must be an int (traced or not), got {dtype} "
+      f"{num_real!r:.60}."
+    )
+  if shape not in ((),) + (((per_device,),) if per_device else ()):
+    allowed = "a scalar" + (
+      f" or one per device, shape ({per_device},)" if per_device else ""
+    )
+    raise ValueError(f"num_real_microbatches must be {allowed}, got shape {shape}.")
+  if not isinstance(num_real, jax.core.Tracer):
+    values = np.asarray(num_real)
+    if values.min() < 0 or values.max() > num_microbatches:
+      raise ValueError(
+        f"num_real_microbatches={num_real!r} must be in [0, "
+        f"num_microbatches={num_microbatches}]: the batch holds "
+        f"{num_microbatches} micro-batches (its capacity), of which the first "
+        "num_real_microbatches run."
+      )
+  return jnp.clip(jnp.asarray(num_real, jnp.int32), 0, num_microbatches)
 
 
 def default_rewrite(config: Config) -> Callable[[Any], Any] | None:
@@ -492,13 +616,16 @@ def run(
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
+  num_real: Any = None,
 ) -> Any:
   """The loop on this device, then (with `config.axes`) one reduction over them."""
   num_terms = config.num_microbatches
   if config.axes is not None:
     num_terms *= check_axes_bound(config.axes)
   check_two_sizes(config, num_terms // config.num_microbatches)
-  local = scan(config, at, args, kwargs, axes=config.axes)
+  if num_real is not None:
+    num_real = check_num_real(num_real, config.num_microbatches)
+  local = scan(config, at, args, kwargs, axes=config.axes, num_real=num_real)
   acc, weights, state = local.acc, local.total, local.state
   extras = list(local.stats or ())
   total = None if weights is None else weights.total

@@ -73,7 +73,7 @@ def _warn_list_of_examples(name: str, tree: Any) -> None:
 
 
 def check_batch(
-  batch: Any, num_microbatches: int, *, names: list[str] | None = None
+  batch: Any, num_microbatches: int, *, names: list[str] | None = None, hint: str = ""
 ) -> int:
   """Checks that a tree of batch arrays splits into `num_microbatches`.
 
@@ -81,6 +81,7 @@ def check_batch(
     batch: a sequence of pytrees whose leaves are batched on axis 0.
     num_microbatches: the number of micro-batches K.
     names: how to name each element of `batch` in errors, e.g. `"args[1]"`.
+    hint: added to every error, e.g. which option picked these arguments.
 
   Returns:
     The common leading size N of every leaf.
@@ -99,19 +100,19 @@ def check_batch(
       if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         raise TypeError(
           f"batch leaf {where} must be an array with a leading batch axis, "
-          f"got {type(leaf).__name__} {leaf!r:.60}."
+          f"got {type(leaf).__name__} {leaf!r:.60}." + hint
         )
       if leaf.ndim == 0:
         raise TypeError(
           f"batch leaf {where} must have a leading batch axis, got a scalar "
-          f"of shape (); pass it as a non-batch argument instead."
+          f"of shape (); pass it as a non-batch argument instead." + hint
         )
       if first is None:
         first = (where, leaf.shape[0])
       elif leaf.shape[0] != first[1]:
         raise ValueError(
           "batch leaves must share one leading size: "
-          f"{first[0]} has {first[1]} rows but {where} has {leaf.shape[0]}."
+          f"{first[0]} has {first[1]} rows but {where} has {leaf.shape[0]}." + hint
         )
   if first is None:
     raise ValueError(f"the batch arguments {', '.join(names)} hold no arrays.")
@@ -119,13 +120,13 @@ def check_batch(
   if num_microbatches > batch_size:
     raise ValueError(
       f"num_microbatches={num_microbatches} exceeds the batch size "
-      f"{batch_size} of {first[0]}; each micro-batch needs at least one row."
+      f"{batch_size} of {first[0]}; each micro-batch needs at least one row." + hint
     )
   if batch_size % num_microbatches:
     raise ValueError(
       f"batch_size={batch_size} (of {first[0]}) must be divisible by "
       f"num_microbatches={num_microbatches}; pad the batch or pick a K that "
-      f"divides it, e.g. {_divisors_near(batch_size, num_microbatches)}."
+      f"divides it, e.g. {_divisors_near(batch_size, num_microbatches)}." + hint
     )
   return batch_size
 

@@ -46,18 +46,20 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _config, _loop, _reduce, _stats
+from jaccum import _collective, _config, _fsdp, _loop, _reduce, _stats
 from jaccum._config import Config, Positions
 from jaccum._jaxpr import spec_axes, without_axes
 
 P = jax.sharding.PartitionSpec
 AxisType = jax.sharding.AxisType
+FsdpMode = Literal["gather_once", "shard_grads", "shard_all"]
+FSDP_MODES = ("gather_once", "shard_grads", "shard_all")
 
 
 def _is_spec(x: Any) -> bool:
@@ -75,18 +77,25 @@ def _spec_of(x: Any) -> P | None:
   return getattr(sharding, "spec", None)
 
 
-def _sharded_dim(spec: P, axes: tuple[str, ...]) -> int | None:
-  """The dimension an FSDP spec shards over `axes`, if any."""
+def _sharded_dim(spec: P, axes: tuple[str, ...]) -> _fsdp.Sharded | None:
+  """How an FSDP spec splits a leaf over (some of) the data `axes`, if it does.
+
+  All of them for FSDP; some for HSDP (`axis=("replica", "fsdp")`, the params
+  split over `"fsdp"` and replicated over `"replica"`).
+  """
+  found = None
   for dim, entry in enumerate(spec):
     names = spec_axes(entry)
-    if names == axes:
-      return dim
-    if set(names) & set(axes):
+    if not set(names) & set(axes):
+      continue
+    if found is not None or not set(names) <= set(axes):
       raise ValueError(
-        f"param_specs entry {spec} shards dimension {dim} over {names}; FSDP "
-        f"shards a dimension over exactly the data axes {axes}."
+        f"param_specs entry {spec} shards more than one dimension over the data "
+        f"axes {axes}, or one over data and other axes at once; FSDP splits one "
+        "dimension of each param over (some of) the data axes."
       )
-  return None
+    found = _fsdp.Sharded(dim, names)
+  return found
 
 
 def explicit_batch_axes(
@@ -142,6 +151,7 @@ def _fsdp_specs(
   at: Positions,
   axes: tuple[str, ...],
   explicit: bool,
+  mesh_shape: Any,
 ) -> list[P | None] | None:
   """Per leaf of the params (argument 0): its FSDP spec, or None; None if no FSDP."""
   if param_specs is None and not explicit:
@@ -182,6 +192,20 @@ def _fsdp_specs(
         "those axes out of param_specs."
       )
     _sharded_dim(spec, axes)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, leaf), spec in zip(flat, specs, strict=True):
+    how = None if spec is None else _sharded_dim(spec, axes)
+    if how is None:
+      continue
+    num_devices = math.prod(mesh_shape[a] for a in how.axes)
+    if np.shape(leaf)[how.dim] % num_devices:
+      raise ValueError(
+        f"param_specs entry {spec} for args[0]{jax.tree_util.keystr(path)} (shape "
+        f"{np.shape(leaf)}) shards dimension {how.dim} of size "
+        f"{np.shape(leaf)[how.dim]} over the {num_devices} devices of {how.axes}, "
+        f"which do not divide it: shard a dimension whose size is a multiple of "
+        f"{num_devices}, or leave this leaf replicated with P()."
+      )
   return specs
 
 
@@ -242,13 +266,15 @@ def _placed_inputs(
   mesh: Any,
   axes: tuple[str, ...],
   explicit: bool,
+  keep_sharded: bool,
 ) -> tuple[list[Any], list[P]]:
   """The call's array leaves laid out for the per-device loop, with their in_specs.
 
   Batch leaves are split over `axes` on axis 0 (other mesh axes keep their
   sharding); every other array goes whole to every device: FSDP params are
   first laid out as their specs say (which also tells `jit` where an unplaced
-  argument lives), then gathered, once, before the loop.
+  argument lives), then gathered, once, before the loop, or, with
+  `keep_sharded` ("shard_all"), passed to each device as its shard.
   """
   leaves, flags = jax.tree.leaves(call), jax.tree.leaves(is_batch)
   param_count = 0 if specs is None else len(specs)
@@ -264,6 +290,11 @@ def _placed_inputs(
       spec = specs[index] if specs is not None and index < param_count else None
       if spec is not None:
         x = _place(x, mesh, spec, explicit)
+      how = None if spec is None else _sharded_dim(spec, axes)
+      if keep_sharded and how is not None:
+        placed.append(x)
+        in_specs.append(P(*(None,) * how.dim, how.axes))
+        continue
       own = spec if spec is not None else _spec_of(x) if explicit else None
       if own is not None and any(set(spec_axes(e)) & set(axes) for e in own):
         x = _place(x, mesh, without_axes(own, axes), explicit)
@@ -332,12 +363,15 @@ def run(
   mesh: Any,
   axes: tuple[str, ...],
   param_specs: Any = None,
+  fsdp_mode: str = "gather_once",
   unsharded_meaning: bool = False,
+  num_real: Any = None,
 ) -> Any:
   """Every device accumulates K micro-batches of its rows; one reduction after.
 
   With `unsharded_meaning` (plain `accumulate` on a sharded batch), outputs
-  that would differ from the unsharded call are refused.
+  that would differ from the unsharded call are refused. `num_real` (one
+  count, or one per device) runs only that many micro-batches per device.
   """
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
@@ -348,6 +382,7 @@ def run(
     [args[i] for i in at.batch],
     num_microbatches,
     names=[f"args[{i}]" for i in at.batch],
+    hint=_config.batch_hint(config, at),
   )
   per_step = num_devices * num_microbatches
   if batch_size % per_step:
@@ -368,8 +403,15 @@ def run(
     for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
     if n in axes
   )
-  specs = _fsdp_specs(param_specs, args, at, axes, explicit)
+  specs = _fsdp_specs(param_specs, args, at, axes, explicit, mesh.shape)
   _loop.check_two_sizes(config, num_devices)
+  hows = None
+  if specs is not None:
+    hows = [None if s is None else _sharded_dim(s, axes) for s in specs]
+  fsdp = None
+  if hows is not None and fsdp_mode != "gather_once":
+    kept = fsdp_mode == "shard_all"
+    fsdp = _fsdp.Plan(params=hows if kept else [None] * len(hows), grads=hows)
 
   # Every array the micro-step can reach as an input crosses into the
   # per-device loop: the call's arguments and keywords, and the arrays bound
@@ -380,13 +422,37 @@ def run(
     *(jax.tree.map(lambda _: False, part) for part in call[1:]),
   )
   placed, in_specs = _placed_inputs(
-    call, is_batch, specs, mesh=mesh, axes=axes, explicit=explicit
+    call,
+    is_batch,
+    specs,
+    mesh=mesh,
+    axes=axes,
+    explicit=explicit,
+    keep_sharded=fsdp_mode == "shard_all",
   )
   flat, treedef = jax.tree.flatten(call)
   dynamic = [isinstance(x, _loop.ARRAY_TYPES) for x in flat]
   found: list[_loop.Local] = []
+  if num_real is not None:
+    if unsharded_meaning and config.split == "contiguous":
+      raise ValueError(
+        f'num_real_microbatches with split="contiguous" and a batch sharded '
+        f"over {axes}: the first contiguous micro-batches live on the first "
+        "devices only, so the loop that runs on every device's rows cannot run "
+        'just them. Use split="strided" (micro-batch k spans every device), or '
+        "jaccum.data_parallel for a count per device."
+      )
+    one_per_device = 0 if unsharded_meaning else num_devices
+    num_real = _loop.check_num_real(num_real, num_microbatches, one_per_device)
+    # One count for all devices, or each device its own.
+    in_specs.append(P(axes) if np.ndim(num_real) else P())
+    placed.append(num_real)
 
   def per_device(*arrays):
+    local_num_real = None
+    if num_real is not None:
+      *arrays, local_num_real = arrays
+      local_num_real = jnp.reshape(local_num_real, (-1,))[0]
     it = iter(arrays)
     local_args, local_kwargs, bound_args, bound_kwargs = jax.tree.unflatten(
       treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
@@ -399,6 +465,8 @@ def run(
       local_kwargs,
       axes=axes,
       needs_grads=None if specs is None else "FSDP (param_specs)",
+      fsdp=fsdp,
+      num_real=local_num_real,
     )
     found.append(local)
     # Each device's carry, stacked over the devices: nothing moves.
@@ -427,6 +495,11 @@ def run(
   else:
     per_device_error = None
   if per_device_error is not None:
+    if num_real is not None:
+      raise ValueError(
+        "num_real_microbatches needs the per-device loop, which cannot run "
+        f"grad_fn here ({type(per_device_error).__name__}: {per_device_error})"
+      ) from per_device_error
     return _as_the_whole_batch(
       config, at, args, kwargs, mesh, axes, explicit, per_device_error
     )
@@ -442,22 +515,26 @@ def run(
 
   plans = jax.tree.leaves(local.leaves, is_leaf=_reduce.is_plan)
   grads = jax.tree.leaves(local.grad_mask)
-  scatter: list[int | None] = [None] * len(plans)
+  # FSDP gradients come back sharded like their params: scattered after the
+  # loop ("gather_once"), or by every micro-step (the loop's plan says so).
+  scatter: list[_fsdp.Sharded | None] = [None] * len(plans)
+  sharded: list[_fsdp.Sharded | None] = [p.scattered for p in plans]
   out_specs = [P(axes) if p.mode in ("concat", "last") else P() for p in plans]
-  if specs is not None:
+  if hows is not None:
     grad_positions = [i for i, g in enumerate(grads) if g]
-    if len(grad_positions) != len(specs):
+    if len(grad_positions) != len(hows):
       raise ValueError(
-        f"FSDP needs the gradients of the params (argument 0, {len(specs)} leaves) "
+        f"FSDP needs the gradients of the params (argument 0, {len(hows)} leaves) "
         f"in grad_fn's output, found {len(grad_positions)} gradient leaves; pass "
         "grad_leaves to mark them."
       )
-    for i, spec in zip(grad_positions, specs, strict=True):
-      if spec is None:
+    for i, how in zip(grad_positions, hows, strict=True):
+      if how is None or plans[i].mode not in ("mean", "sum"):
         continue
-      dim = _sharded_dim(spec, axes)
-      if dim is not None and plans[i].mode in ("mean", "sum"):
-        scatter[i], out_specs[i] = dim, spec
+      if plans[i].scattered is None:
+        scatter[i] = how
+      sharded[i] = how
+      out_specs[i] = P(*(None,) * how.dim, how.axes)
 
   def reduce_body(acc, total, state, stats):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
@@ -478,9 +555,9 @@ def run(
       # A reduce-scattered gradient holds a shard on each device: add them up.
       parts = [
         _stats.sq_norm(r, True)
-        if dim is None
-        else jax.lax.psum(_stats.sq_norm(r, True), axes)
-        for r, g, dim in zip(jax.tree.leaves(result), grads, scatter, strict=True)
+        if how is None
+        else jax.lax.psum(_stats.sq_norm(r, True), how.axes)
+        for r, g, how in zip(jax.tree.leaves(result), grads, sharded, strict=True)
         if g
       ]
       grad_sq_norm = sum(parts, jnp.zeros((), jnp.float32))
@@ -522,6 +599,7 @@ def data_parallel(
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   axis: str | tuple[str, ...] = "data",
   param_specs: Any = None,
+  fsdp_mode: FsdpMode = "gather_once",
   **accumulate_kwargs: Any,
 ) -> Callable[..., Any]:
   """Accumulates over K micro-batches on every device, then reduces once.
@@ -545,10 +623,36 @@ def data_parallel(
   gives synchronised BatchNorm statistics (one all-reduce per micro-batch).
 
   With `param_specs` (FSDP / ZeRO style), the first argument (the params)
-  arrives sharded as those specs say: each sharded leaf is all-gathered once
-  before the loop, the accumulator stays local, and the gradients of those
-  leaves leave through one reduce-scatter, sharded like the params. On an
-  explicit mesh the params' own sharding says this without `param_specs`.
+  arrives sharded as those specs say, and its gradients leave sharded like
+  them; on an explicit mesh the params' own sharding says this without
+  `param_specs`. `fsdp_mode` chooses what stays sharded inside the loop, for
+  P bytes of params on D devices, K micro-batches (per device; measured
+  figures in the data-parallel guide, `python -m benchmarks --parts fsdp`):
+
+  ===============  ===================  =============  =====================
+  mode             params in the loop   accumulator    on the wire per step
+  ===============  ===================  =============  =====================
+  `"gather_once"`  all, gathered once   all, float32   gather P, scatter 1×
+  `"shard_grads"`  all, gathered once   1/D (ZeRO-2)   gather P, scatter K×
+  `"shard_all"`    1/D, each use        1/D (ZeRO-3)   gather 2K×, scatter K×
+  ===============  ===================  =============  =====================
+
+  `"gather_once"`, the default, sends the fewest bytes and leaves each
+  micro-step as it is; it needs the whole params and a whole accumulator
+  on every device. `"shard_grads"` reduce-scatters each micro-batch's
+  gradients into an accumulator sharded like the params: about P × D−1/D
+  less memory (float32 accumulator) for K reduce-scatters instead of one.
+  `"shard_all"` keeps the params sharded too: each is all-gathered right
+  before each use, in the forward pass and again in the backward pass, and
+  never held whole; params a `lax.scan` slices (stacked layers with a leading
+  layer axis) are gathered one layer per iteration, and their gradients
+  scattered one layer per iteration. Nothing in the model changes. Pick the
+  first mode whose step fits (`fit_microbatches` and `fit_plan` tell, before
+  running). With `axis=("replica", "fsdp")` and `param_specs` naming only
+  `"fsdp"` (HSDP), the sharded modes reduce-scatter over `"fsdp"` inside the
+  loop and sum over `"replica"` once after it. The accumulator follows
+  `accum_dtype` (float32 by default) in every mode; a weighted mean then sums
+  `w·grad`, weighted on each device before the devices are summed.
 
   Cross-example computations (BatchNorm statistics threaded with
   `state_argnum`) see each device's rows, as in any data-parallel step;
@@ -567,11 +671,16 @@ def data_parallel(
     param_specs: a `PartitionSpec` per leaf of the first argument (or a pytree
       prefix of it), naming only `axis`, for FSDP; `None` replicates it (or,
       on an explicit mesh, reads its sharding).
+    fsdp_mode: `"gather_once"`, `"shard_grads"` or `"shard_all"`: what stays
+      sharded inside the loop (above).
     **accumulate_kwargs: any other option of `accumulate` (`batch_argnums`,
       `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …).
 
   Returns:
-    A function with `grad_fn`'s signature. `"mean"`, `"sum"`, `"max"` and
+    A function with `grad_fn`'s signature, and `accumulate`'s keyword
+    `num_real_microbatches` (one count, or one per device: shape
+    `[devices]`; a device that runs fewer micro-batches skips them, and
+    nothing waits for it until the reduction). `"mean"`, `"sum"`, `"max"` and
     `"min"` leaves come back replicated, gradients of FSDP-sharded params
     sharded like them, `"concat"` and `"last"` leaves (one row per example)
     sharded over `axis`, in the batch's row order.
@@ -592,10 +701,12 @@ def data_parallel(
   """
   if "axis_name" in accumulate_kwargs:
     raise TypeError("data_parallel takes `axis`, not `axis_name`.")
+  if fsdp_mode not in FSDP_MODES:
+    raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}.")
   config = _config.make_config(grad_fn, num_microbatches, **accumulate_kwargs)
   axes = _config.axis_tuple(axis, "axis")
 
-  def parallel(*args, **kwargs):
+  def parallel(*args, num_real_microbatches=None, **kwargs):
     at = _config.positions(config, args, kwargs)
     the_mesh = mesh if mesh is not None else _find_mesh(args, at)
     return run(
@@ -606,6 +717,8 @@ def data_parallel(
       mesh=the_mesh,
       axes=axes,
       param_specs=param_specs,
+      fsdp_mode=fsdp_mode,
+      num_real=num_real_microbatches,
     )
 
   return parallel

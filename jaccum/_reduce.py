@@ -65,12 +65,18 @@ class Leaf(NamedTuple):
 
   A `float0` leaf (the gradient of an integer input) has mode `"float0"`: it
   carries nothing and comes back as the zeros the whole batch gives.
+
+  `scattered` (an `_fsdp.Sharded`) marks a gradient that each micro-step
+  reduce-scatters over those axes (FSDP's sharded modes): the carry holds
+  this device's shard of its sum over them, `shape` is the shard's, and a
+  weighted mean sums `w·out` (weighted before the sum over devices).
   """
 
   mode: str
   dtype: np.dtype
   carry_dtype: np.dtype
   shape: tuple[int, ...]
+  scattered: Any = None
 
 
 def plan(
@@ -200,6 +206,10 @@ def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
   def init_leaf(leaf: Leaf, shape):
     if leaf.mode == "float0":
       return None
+    if leaf.scattered is not None:
+      return _full(
+        jax.ShapeDtypeStruct(leaf.shape, leaf.carry_dtype), 0, leaf.carry_dtype
+      )
     if leaf.mode == "concat":
       return _full(shape, 0, leaf.dtype, lead=(num_microbatches,))
     if leaf.mode in ("max", "min"):
@@ -262,6 +272,8 @@ def update(
     if leaf.mode == "float0":
       return acc
     value = jnp.asarray(value)  # a Python scalar output comes back as a literal
+    if leaf.scattered is not None:  # summed over devices, weighted already
+      return acc + value.astype(leaf.carry_dtype)
     if leaf.mode == "concat":
       return jax.lax.dynamic_update_index_in_dim(acc, value, index, axis=0)
     if leaf.mode == "max":

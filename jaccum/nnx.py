@@ -7,7 +7,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+try:
+  from flax import nnx
+except ModuleNotFoundError as e:  # Flax is an optional dependency of jaccum.
+  if e.name != "flax":
+    raise
+  raise ImportError('jaccum.nnx needs Flax: pip install "jaccum[flax]"') from e
 
 from jaccum import _reduce
 from jaccum._accumulate import accumulate

@@ -542,10 +542,12 @@ def test_sharded_batches_explicit_mesh_and_shard_map():
 def compiled_convolutions(compiled):
   """`(inside_loop, dim_labels, window)` of each convolution XLA:CPU compiled."""
   found = []
-  for inside_loop, opcode, text in _instructions(compiled.as_text()):
-    if opcode == "convolution":
+  for instruction in _instructions(compiled.as_text()):
+    if instruction.opcode == "convolution":
+      text = instruction.text
       labels = text.split("dim_labels=")[1].split(",")[0]
-      found.append((inside_loop, labels, text.split("window={")[1].split("}")[0]))
+      window = text.split("window={")[1].split("}")[0]
+      found.append((instruction.inside_loop, labels, window))
   return found
 
 

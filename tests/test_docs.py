@@ -2,10 +2,14 @@
 the API reference; every guide's Python code runs; the version is one number.
 
 Code blocks in docs/**/*.md: each page's ```python blocks run, in order, as one
-script in a fresh process (later blocks may use what earlier ones defined, as a
-reader following the page does), with 8 simulated CPU devices as in the test
-suite. A block fenced ```python skip-run is shown but not run: keep that for
-fragments that cannot run on their own (a line of a loop, a signature).
+script in a fresh Python process (later blocks may use what earlier ones
+defined, as a reader following the page does), as a reader would run it: none
+of the test suite's settings, so a page that needs several devices asks for
+them itself, in its first block (`jax.config.update("jax_num_cpu_devices", 8)`).
+A block fenced ```python skip-run is shown but not run: keep that for fragments
+that cannot run on their own (a line of a loop, a signature). A block fenced
+```text output shows what the page's code prints: its lines must appear, in
+that order, in what the script prints.
 """
 
 import importlib
@@ -138,52 +142,94 @@ def test_reference_lists_every_public_name_once():
   assert not stale, f"docs/api/*.md documents names that are not public: {stale}"
 
 
-def _page_scripts() -> list[tuple[str, str]]:
-  """`(page, script)`: the runnable ```python blocks of each page, in order."""
-  scripts = []
+def _page_code() -> list[tuple[str, str, list[str]]]:
+  """`(page, script, outputs)`: each page's runnable ```python blocks joined in
+  order, and its ```text output blocks."""
+  pages = []
   for page in sorted(DOCS.rglob("*.md")):
     if "_build" in page.parts:
       continue
-    blocks, block, skip = [], None, False
+    blocks, outputs, block, kind = [], [], None, None
     for line in page.read_text().splitlines():
       stripped = line.strip()
-      if block is None and stripped.startswith("```python"):
-        block, skip = [], "skip-run" in stripped.split()[1:]
+      if block is None and stripped.startswith("```"):
+        words = stripped[3:].split()
+        block, kind = [], None  # shown only, unless:
+        if words[:1] == ["python"] and "skip-run" not in words[1:]:
+          kind = blocks
+        elif words[:1] == ["text"] and "output" in words[1:]:
+          kind = outputs
       elif block is not None and stripped == "```":
-        if not skip:
-          blocks.append(textwrap.dedent("\n".join(block)))
+        if kind is not None:
+          kind.append(textwrap.dedent("\n".join(block)))
         block = None
       elif block is not None:
         block.append(line)
     if blocks:
-      scripts.append((str(page.relative_to(DOCS)), "\n\n".join(blocks)))
-  return scripts
+      pages.append((str(page.relative_to(DOCS)), "\n\n".join(blocks), outputs))
+  return pages
 
 
-@pytest.mark.parametrize(
-  ("page", "script"), [pytest.param(*page, id=page[0]) for page in _page_scripts()]
-)
-def test_guide_code_runs(page, script, tmp_path):
+def _reader_env() -> dict[str, str]:
+  """The environment of a reader who runs a page: none of this session's JAX
+  settings (no simulated devices), this checkout's jaccum on the path."""
   env = {
-    **os.environ,
+    name: value
+    for name, value in os.environ.items()
+    if not name.startswith(("JAX_", "XLA_"))
+  }
+  return {
+    **env,
     "JAX_PLATFORMS": "cpu",
-    "JAX_NUM_CPU_DEVICES": "8",
+    # LLVM's optimisations off: half the compile time, the same programs and
+    # memory figures (XLA's own passes still run); it sets no devices.
+    "XLA_FLAGS": "--xla_backend_optimization_level=0",
     "MPLBACKEND": "Agg",
-    # The checkout's jaccum, as the other tests import it.
     "PYTHONPATH": os.pathsep.join(
       filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
     ),
   }
+
+
+def _missing_output(printed: str, outputs: list[str]) -> str | None:
+  """The first output block whose lines do not follow the previous one's in
+  `printed` (trailing spaces aside), or None."""
+  printed_lines = [line.rstrip() for line in printed.splitlines()]
+  position = 0
+  for output in outputs:
+    lines = [line.rstrip() for line in output.strip("\n").splitlines()]
+    for start in range(position, len(printed_lines) - len(lines) + 1):
+      if printed_lines[start : start + len(lines)] == lines:
+        position = start + len(lines)
+        break
+    else:
+      return output
+  return None
+
+
+@pytest.mark.parametrize(
+  ("page", "script", "outputs"),
+  [pytest.param(*page, id=page[0]) for page in _page_code()],
+)
+def test_guide_code_runs(page, script, outputs, tmp_path):
+  # Not equinox.py: a script named like a module it imports would shadow it.
+  path = tmp_path / f"docs_{pathlib.Path(page).stem}.py"
+  path.write_text(script)
   result = subprocess.run(
-    [sys.executable, "-c", script],
+    [sys.executable, path.name],
     cwd=tmp_path,
-    env=env,
+    env=_reader_env(),
     capture_output=True,
     text=True,
     timeout=PAGE_TIMEOUT_S,
   )
   assert result.returncode == 0, (
     f"the Python code of docs/{page} failed:\n{result.stderr[-3000:]}"
+  )
+  missing = _missing_output(result.stdout, outputs)
+  assert missing is None, (
+    f"docs/{page} shows output its code does not print:\n{missing}\n"
+    f"It printed:\n{result.stdout[-3000:]}"
   )
 
 

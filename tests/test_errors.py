@@ -222,3 +222,33 @@ def test_concat_needs_per_example_outputs():
 def test_split_microbatches_checks_like_accumulate():
   with pytest.raises(ValueError, match=r"batch_size=8 .* num_microbatches=3"):
     jaccum.split_microbatches(BATCH, 3)
+
+
+def test_a_batch_passed_first_is_met_with_the_batch_argnums_hint():
+  """loss(batch, params), default batch_argnums=1: say which option split what."""
+  swapped = jax.grad(lambda batch, w: loss(w, batch), argnums=1)
+  with pytest.raises(
+    ValueError, match=r"args\[1\] is the batch because batch_argnums=1 \(the default\)"
+  ):
+    jaccum.accumulate(swapped, 2)(BATCH, W)
+  got = jaccum.accumulate(swapped, 2, batch_argnums=0)(BATCH, W)
+  np.testing.assert_allclose(got, GRAD(W, BATCH), rtol=1e-6)
+
+
+def test_param_specs_sharding_a_dimension_the_devices_do_not_divide():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  step = jaccum.data_parallel(GRAD, 1, mesh=mesh, param_specs=jax.P("data"))
+  batch = jax.tree.map(lambda x: jnp.tile(x, (8,) + (1,) * (x.ndim - 1)), BATCH)
+  with pytest.raises(
+    ValueError, match=r"shards dimension 0 of size 3 over the 8 devices.*P\(\)"
+  ):
+    jax.jit(step)(W, batch)
+
+
+def test_axis_name_of_a_vmap_accumulates_per_instance_then_combines():
+  """Under jax.vmap(axis_name=...) each instance accumulates, then one psum."""
+  batches = jax.tree.map(lambda x: jnp.stack([x, 2 * x, 3 * x, x + 1]), BATCH)
+  accumulated = jaccum.accumulate(GRAD, 2, axis_name="i")
+  got = jax.vmap(accumulated, in_axes=(None, 0), axis_name="i")(W, batches)
+  whole = GRAD(W, jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batches))
+  np.testing.assert_allclose(got, jnp.broadcast_to(whole, got.shape), rtol=1e-6)

@@ -628,7 +628,7 @@ def test_a_middle_k_that_fits_is_found_when_both_ends_are_over_the_budget():
   """
   peaks = {1: 100, 2: 90, 4: 60, 8: 40, 16: 70, 32: 80, 64: 95}
   fit, compiled = search(peaks, 50)
-  assert fit is not None and fit.num_microbatches == 8
+  assert 8 in compiled and fit is not None and fit.num_microbatches == 8
   assert fit.peak_bytes == 40
 
 

@@ -690,19 +690,20 @@ def test_collectives(schedule):
   counts = collectives(mesh, NUM_STAGES, schedule)
   print(counts)
   # Stage parameters are never gathered, nothing else moves between devices.
-  assert counts.all_gather == (0, 0)
-  assert counts.reduce_scatter == (0, 0)
-  assert counts.all_to_all == (0, 0)
+  assert counts.all_gather[:2] == (0, 0)
+  assert counts.reduce_scatter[:2] == (0, 0)
+  assert counts.all_to_all[:2] == (0, 0)
   # Inside the loops, activations (forward) and their cotangents (backward)
   # pass between neighbouring stages, and nothing else: GPipe's forward loop
   # and backward loop have one each, 1F1B's one loop both.
   assert counts.all_reduce.inside_loops == 0
-  assert counts.collective_permute == (2, 0)
+  assert counts.collective_permute[:2] == (2, 0)
   # After the loops: the output's or loss's sum over the stages, the input
   # cotangent's, the gradients' over "data" (XLA may combine some). The same
   # program for twice as many micro-batches: once per step.
   assert 1 <= counts.all_reduce.outside_loops <= 5
-  assert collectives(mesh, 2 * NUM_STAGES, schedule) == counts
+  twice = collectives(mesh, 2 * NUM_STAGES, schedule)
+  assert [c[:2] for c in twice] == [c[:2] for c in counts]
 
 
 def test_stage_parameters_and_gradients_stay_on_their_stage():
