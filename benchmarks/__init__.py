@@ -20,6 +20,9 @@ Parts, run in this order (`--parts` picks some):
   grows, float32 and bfloat16.
 * `distributed` (`distributed.py`, its own process): collectives inside and
   outside the loop and step time on 8 simulated CPU devices.
+* `pipeline` (`pipeline.py`, its own process): `jaccum.pipeline`'s schedules
+  on 4 simulated CPU devices: temporaries against K, FLOPs per tick, the
+  bubble with interleaved stages, the head's FLOPs.
 
 Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`):
 
@@ -30,7 +33,8 @@ Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`
   rewrite, and its compile time over K;
 * `python -m benchmarks.profile_loop_ops`: ops a loop body runs slower than
   the same ops unrolled;
-* `python -m benchmarks.pipeline`: `jaccum.pipeline`'s memory as K grows.
+* `python -m benchmarks.pipeline`: the suite's `pipeline` part on its own,
+  writing `results/pipeline.json` and `pipeline.md`.
 
 Importing this package starts nothing: JAX is configured by the part that
 runs, so the distributed part can set its device count in its own process.

@@ -81,8 +81,13 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
   return _in_own_process("reduction", args)
 
 
-# name: how to run it. Parts run in this order, one at a time; the distributed
-# part's process is waited for before the next part starts.
+def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("pipeline", args)
+
+
+# name: how to run it. Parts run in this order, one at a time; the processes
+# of the distributed, fsdp, reduction and pipeline parts are waited for
+# before the next part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
   "loop": _loop,
@@ -92,6 +97,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "distributed": _distributed,
   "fsdp": _fsdp,
   "reduction": _reduction,
+  "pipeline": _pipeline,
 }
 
 

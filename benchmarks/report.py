@@ -290,6 +290,92 @@ def distributed_section(distributed: dict[str, Any]) -> str:
   )
 
 
+def pipeline_section(pipeline: dict[str, Any]) -> str:
+  """`jaccum.pipeline`: temporaries against K, FLOPs per tick, bubble, head."""
+  ks = [str(k) for k in pipeline["ks"]]
+  S = pipeline["num_stages"]
+  rows = []
+  for name, row in pipeline["schedules"].items():
+    temp = row["temp_bytes"]
+    first, last = ks[0], ks[-1]
+    growth = (temp[last] - temp[first]) / (int(last) - int(first))
+    rows.append(
+      [
+        name,
+        *(f"{temp[k] / 1e6:.2f}" for k in ks),
+        f"{growth / 1e3:.1f}",
+        f"{row['flops'] / 1e6:.2f}",
+        f"{row['flops_in_f']:.2f}",
+      ]
+    )
+  schedules = markdown_table(
+    [
+      "schedule",
+      *(f"K={k}" for k in ks),
+      f"kB per micro-batch, K={ks[0]}→{ks[-1]}",
+      f"MFLOP at K={2 * S}",
+      "in F",
+    ],
+    rows,
+  )
+  bubble_ks = list(next(iter(pipeline["bubble"].values())))
+  bubble_rows = [
+    [
+      f"V={v}",
+      *(
+        f"{b[k]['idle']:.1%} ({b[k]['gpipe_time']:g} / {b[k]['1f1b_time']:g})"
+        for k in bubble_ks
+      ),
+    ]
+    for v, b in pipeline["bubble"].items()
+  ]
+  bubble = markdown_table(["", *(f"K={k}" for k in bubble_ks)], bubble_rows)
+  head = pipeline["head"]
+  K = head["num_microbatches"]
+  per_microbatch = head["loss_fn"]
+  head_rows = [
+    [
+      "after the pipeline, on the output every stage holds",
+      f"{head['after'] / 1e9:.2f} on each of the {S} devices",
+    ],
+    [
+      'the output spread over the stages (`with_sharding_constraint`, `P("stage")`)',
+      f"{head['spread'] / 1e9:.2f} on each",
+    ],
+    [
+      "`loss_fn`, in the last stage",
+      f"{per_microbatch / 1e9:.3f} per micro-batch (as compiled: the loop body "
+      f"counts once), × K = {K}: {K * per_microbatch / 1e9:.2f} on the last stage, "
+      "none on the others",
+    ],
+  ]
+  return "\n".join(
+    [
+      f"## Pipeline: {S} stages on {S} simulated CPU devices\n",
+      f"{pipeline['num_blocks']} residual MLP blocks ({pipeline['width']} → "
+      f"{pipeline['hidden']} → {pipeline['width']}, GELU), "
+      f"{pipeline['num_blocks'] // S} per stage (1 per virtual stage with V = 2), "
+      "micro-batches of "
+      f"{pipeline['microbatch_rows']} rows, `value_and_grad` of `sum(sin(y))` "
+      'computed by the last stage (`loss_fn`; "loss after": plain JAX on the '
+      "pipeline's output). Temporaries per device in MB (`jaccum.inspect.memory`) "
+      "as K grows with the batch; FLOPs per device from `cost_analysis()`, which "
+      "counts a loop's body once: the work of one tick, also in units of F, one "
+      "tick's forward on one micro-batch compiled alone (F + B ≈ 3, 2F + B ≈ 4).\n",
+      schedules,
+      "\nBubble: idle fraction of the forward ticks, from jaccum's schedule "
+      "(`_Ticks`), S = 4, V stages per device; in brackets the step time in "
+      "lockstep ticks, each as long as its busiest device (F = 1, B = 2 for a "
+      "whole stage), GPipe / 1F1B.\n",
+      bubble,
+      f"\nThe head: an output layer {head['width']} → {head['vocab']:,} and its "
+      f"cross-entropy on {head['rows']} rows (K = {K}), GFLOP per device per step "
+      "(the step's, less the same step's with a trivial loss):\n",
+      markdown_table(["head and loss", "GFLOP"], head_rows),
+    ]
+  )
+
+
 def fsdp_section(fsdp: dict[str, Any]) -> str:
   mib = lambda b: f"{b / 2**20:.2f}"
   rows = [
@@ -377,6 +463,7 @@ SECTIONS = {
   "distributed": distributed_section,
   "fsdp": fsdp_section,
   "reduction": reduction_section,
+  "pipeline": pipeline_section,
 }
 
 

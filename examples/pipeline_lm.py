@@ -1,21 +1,26 @@
 """Pipeline parallelism: a small transformer LM in 4 stages on 2 data × 4 stage devices.
 
 The model is the one of `token_weighted_lm.py` (byte embedding, pre-norm
-transformer blocks, tied output weights) with 8 blocks, trained on paragraphs
-of Python's own docs (`pydoc_data.topics`). Its blocks are split into 4
-stages of 2 blocks; `jaccum.pipeline` runs stage s on the devices at position
-s of a `"stage"` mesh axis, with K micro-batches flowing through the stages,
-and each of the 2 positions of a `"data"` axis pipelines its own half of the
-batch. The embedding, head and loss are ordinary JAX around the pipeline.
+transformer blocks with dropout, tied output weights) with 8 blocks, trained
+on paragraphs of Python's own docs (`pydoc_data.topics`). Its blocks are
+split into 4 stages (with `--virtual-stages 2`, 8 stages of one block, two
+per device); `jaccum.pipeline` runs stage s on the devices at position s of a
+`"stage"` mesh axis with K micro-batches flowing through the stages, and
+each of the 2 positions of a `"data"` axis pipelines its own half of the
+batch. With `--schedule 1f1b` the last stage also computes the head and the
+token-weighted loss (`loss_fn`); with GPipe they are plain JAX after the
+pipeline, its output spread over the stages by one sharding constraint.
 
-The same model, from the same start and on the same batches, is also trained
-unpipelined (all blocks applied in order, one device): the loss curves agree
-to float32 rounding. The script prints the bubble fraction, each device's
-share of the parameters, and saves the loss curves and a picture of the two
-schedules (GPipe and 1F1B).
+Each stage draws its dropout masks from the key jaccum folds with the
+micro-batch and the stage. The same model is trained unpipelined, on one
+device, from the same start, on the same batches and with the same keys (a
+plain loop over micro-batches and stages): the loss curves agree to float32
+rounding. The script prints the bubble, the modelled step time of each
+schedule, each device's share of the parameters, and saves the loss curves
+and a picture of the schedules.
 
   python examples/pipeline_lm.py [--quick] [--steps N] [--schedule gpipe|1f1b]
-      [--out PATH.png] [--schedule-out PATH.png]
+      [--virtual-stages V] [--dropout P] [--out PATH.png] [--schedule-out PATH.png]
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from tqdm import tqdm  # noqa: E402
 import jaccum  # noqa: E402
 
 DATA, STAGES = 2, 4
-BLOCKS_PER_STAGE = 2
+NUM_BLOCKS = 8
 NUM_MICROBATCHES = 8  # per data shard
 BATCH_SIZE = 32  # sequences per step: 2 data shards × 8 micro-batches × 2
 SEQ_LEN = 64  # Tokens (bytes) per padded sequence; 0 is the padding byte.
@@ -65,9 +70,9 @@ def load_paragraphs() -> tuple[np.ndarray, np.ndarray]:
 
 
 class Block(nnx.Module):
-  """The transformer block of `token_weighted_lm.py`."""
+  """The transformer block of `token_weighted_lm.py`, with dropout."""
 
-  def __init__(self, dim: int, num_heads: int, rngs: nnx.Rngs):
+  def __init__(self, dim: int, num_heads: int, dropout: float, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.attn_norm = nnx.LayerNorm(dim, rngs=rngs)
     self.qkv = nnx.Linear(dim, 3 * dim, rngs=rngs)
@@ -75,65 +80,149 @@ class Block(nnx.Module):
     self.mlp_norm = nnx.LayerNorm(dim, rngs=rngs)
     self.mlp_in = nnx.Linear(dim, 4 * dim, rngs=rngs)
     self.mlp_out = nnx.Linear(4 * dim, dim, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout)  # The key comes with each call.
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, rngs: nnx.Rngs) -> jax.Array:
     batch, length, dim = x.shape
     qkv = self.qkv(self.attn_norm(x)).reshape(batch, length, 3 * self.num_heads, -1)
     q, k, v = jnp.split(qkv, 3, axis=2)
     attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    x = x + self.attn_out(attn.reshape(batch, length, dim))
-    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+    x = x + self.dropout(self.attn_out(attn.reshape(batch, length, dim)), rngs=rngs)
+    mlp = self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+    return x + self.dropout(mlp, rngs=rngs)
 
 
-# The graph of one block; stage s's parameters are its blocks' states, stacked.
-BLOCK_GRAPH = nnx.split(Block(DIM, NUM_HEADS, nnx.Rngs(0)))[0]
 EMBED_GRAPH = nnx.split(nnx.Embed(256, DIM, rngs=nnx.Rngs(0)))[0]
 NORM_GRAPH = nnx.split(nnx.LayerNorm(DIM, rngs=nnx.Rngs(0)))[0]
 
 
-def init_params(seed: int = 0) -> dict:
-  """`{"embed", "position", "norm", "stages"}`; stages leaves are `[S, 2, ...]`."""
+def init_params(num_chunks: int, seed: int = 0) -> dict:
+  """`{"embed", "position", "norm", "stages"}`.
+
+  `stages` holds the blocks' states stacked `[S, blocks per stage, ...]`,
+  or `[V, S, blocks per stage, ...]` with V virtual stages per device (stage
+  v·S + s at `[v, s]`).
+  """
   rngs = nnx.Rngs(seed)
   embed = nnx.split(nnx.Embed(256, DIM, rngs=rngs))[1]
   position = 0.02 * jax.random.normal(rngs.params(), (SEQ_LEN, DIM))
-  blocks = [
-    nnx.split(Block(DIM, NUM_HEADS, rngs))[1] for _ in range(STAGES * BLOCKS_PER_STAGE)
-  ]
+  blocks = [nnx.split(Block(DIM, NUM_HEADS, 0.0, rngs))[1] for _ in range(NUM_BLOCKS)]
+  lead = (STAGES,) if num_chunks == 1 else (num_chunks, STAGES)
+  per_stage = NUM_BLOCKS // (STAGES * num_chunks)
   stages = jax.tree.map(
-    lambda *b: jnp.stack(b).reshape(STAGES, BLOCKS_PER_STAGE, *b[0].shape), *blocks
+    lambda *b: jnp.stack(b).reshape(*lead, per_stage, *b[0].shape), *blocks
   )
   norm = nnx.split(nnx.LayerNorm(DIM, rngs=rngs))[1]
   return {"embed": embed, "position": position, "norm": norm, "stages": stages}
 
 
-def stage_fn(stage_params, x):
-  """One stage: its blocks in order, on one micro-batch of activations."""
-  # A scan over the blocks compiles one block, not BLOCKS_PER_STAGE copies.
-  block = lambda x, params: (nnx.merge(BLOCK_GRAPH, params)(x), None)
-  return jax.lax.scan(block, x, stage_params)[0]
+def make_stage(dropout: float):
+  """One stage: its blocks in order on one micro-batch, each with its own key."""
+  graph = nnx.split(Block(DIM, NUM_HEADS, dropout, nnx.Rngs(0)))[0]
+
+  def stage_fn(stage_params, x, *, rng):
+    # A scan over the blocks compiles one block, not one per block. The
+    # `nnx.Rngs` is made inside the scan, from that block's key.
+    def block(x, inputs):
+      params, key = inputs
+      return nnx.merge(graph, params)(x, nnx.Rngs(dropout=key)), None
+
+    num_blocks = jax.tree.leaves(stage_params)[0].shape[0]
+    keys = jax.random.split(rng, num_blocks)
+    return jax.lax.scan(block, x, (stage_params, keys))[0]
+
+  return stage_fn
 
 
-def sequential_blocks(stages, x):
-  """The unpipelined model: every stage in order on the whole batch."""
-  return jax.lax.scan(lambda x, params: (stage_fn(params, x), None), x, stages)[0]
+def head_loss(params, y, targets, mask):
+  """Σ over tokens of the cross-entropy, with the tied embedding as output layer."""
+  embed = nnx.merge(EMBED_GRAPH, params["embed"])
+  logits = embed.attend(nnx.merge(NORM_GRAPH, params["norm"])(y))
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return jnp.sum(losses * mask)
 
 
-def make_loss(blocks):
-  """The loss around `blocks(stages, x)`: embedding, head and loss in plain JAX."""
+def embed_inputs(params, inputs):
+  return nnx.merge(EMBED_GRAPH, params["embed"])(inputs) + params["position"]
 
-  def loss(params, inputs, targets, mask):
-    embed = nnx.merge(EMBED_GRAPH, params["embed"])
-    x = blocks(params["stages"], embed(inputs) + params["position"])
-    logits = embed.attend(nnx.merge(NORM_GRAPH, params["norm"])(x))
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+def pipelined_loss(mesh, stage_fn, schedule: str, num_chunks: int):
+  """The per-token loss, the blocks pipelined; the head inside it with 1F1B."""
+  if schedule == "1f1b":
+
+    def loss(params, inputs, targets, mask, key):
+      # The head's parameters reach loss_fn by closure: they get gradients.
+      head = lambda y, t: head_loss(params, y, *t)
+      pipe = jaccum.pipeline(
+        stage_fn,
+        NUM_MICROBATCHES,
+        mesh=mesh,
+        data_axes="data",
+        schedule="1f1b",
+        loss_fn=head,
+        num_virtual_stages=num_chunks,
+      )
+      x = embed_inputs(params, inputs)
+      total = pipe(params["stages"], x, (targets, mask), rng=key)
+      return total / jnp.maximum(jnp.sum(mask), 1.0)
+
+    return loss
+
+  pipe = jaccum.pipeline(
+    stage_fn,
+    NUM_MICROBATCHES,
+    mesh=mesh,
+    data_axes="data",
+    num_virtual_stages=num_chunks,
+  )
+
+  def loss(params, inputs, targets, mask, key):
+    y = pipe(params["stages"], embed_inputs(params, inputs), rng=key)
+    # The output is replicated over the stages; spread over them, the head
+    # runs on 1/S of the rows on each device instead of all of them.
+    spread = NamedSharding(mesh, P(("data", "stage")))
+    y = jax.lax.with_sharding_constraint(y, spread)
+    targets, mask = (
+      jax.lax.with_sharding_constraint(a, spread) for a in (targets, mask)
+    )
+    return head_loss(params, y, targets, mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
   return loss
 
 
-def train(blocks, params, batches, desc):
+def sequential_loss(stage_fn, num_chunks: int):
+  """The same model unpipelined: a loop over the D·K micro-batches, each through
+  every stage in order, stage l on micro-batch m with fold_in(fold_in(key, m), l)."""
+  num_microbatches = DATA * NUM_MICROBATCHES
+
+  def loss(params, inputs, targets, mask, key):
+    stages = params["stages"]
+    if num_chunks > 1:
+      stages = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stages)
+    split = lambda a: a.reshape(num_microbatches, -1, *a.shape[1:])
+    x = split(embed_inputs(params, inputs))
+
+    def microbatch(total, batch):
+      m, h, t, w = batch
+
+      def stage(h, layer):
+        index, stage_params = layer
+        stage_key = jax.random.fold_in(jax.random.fold_in(key, m), index)
+        return stage_fn(stage_params, h, rng=stage_key), None
+
+      num_stages = jax.tree.leaves(stages)[0].shape[0]
+      h = jax.lax.scan(stage, h, (jnp.arange(num_stages), stages))[0]
+      return total + head_loss(params, h, t, w), None
+
+    batches = (jnp.arange(num_microbatches), x, split(targets), split(mask))
+    total = jax.lax.scan(microbatch, jnp.float32(0), batches)[0]
+    return total / jnp.maximum(jnp.sum(mask), 1.0)
+
+  return loss
+
+
+def train(loss, params, batches, seed, desc):
   """Trains from `params`; returns the losses, the final state, seconds a step."""
-  loss = make_loss(blocks)
   optimizer = optax.adamw(3e-3)
   # Adam's moments sit with their parameters (a stage's on its stage), the
   # step count with the first parameter.
@@ -149,14 +238,15 @@ def train(blocks, params, batches, desc):
   placement = jax.tree.map(lambda x: x.sharding, (params, opt_state))
 
   @functools.partial(jax.jit, out_shardings=(*placement, None))
-  def train_step(params, opt_state, inputs, targets, mask):
-    value, grads = jax.value_and_grad(loss)(params, inputs, targets, mask)
+  def train_step(params, opt_state, key, inputs, targets, mask):
+    value, grads = jax.value_and_grad(loss)(params, inputs, targets, mask, key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
   losses, start = [], time.perf_counter()
   for step, batch in enumerate(tqdm(batches, desc)):
-    params, opt_state, value = train_step(params, opt_state, *batch)
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    params, opt_state, value = train_step(params, opt_state, key, *batch)
     losses.append(float(value))
     if step == 0:
       start = time.perf_counter()  # time the steps after the first, compiled one
@@ -179,115 +269,138 @@ def tree_bytes(tree) -> int:
 
 # --- the schedules: who works on what, tick by tick -----------------------------
 
-# Work in units of one stage's forward on one micro-batch; a backward costs two.
-COST = {"F": 1, "R": 1, "B": 2}
 
+def slot(num_stages, num_chunks, num_microbatches, offset, reverse=False):
+  """`(micro-batch, chunk)` at `offset` ticks into the schedule, or None.
 
-def schedule(num_stages: int, num_microbatches: int, name: str) -> list:
-  """The loops of a schedule: `loops[i][t][s]` lists stage s's work in tick t.
-
-  Work is `(kind, micro-batch)`: F forward, R forward re-run in the backward
-  loop, B backward. The ticks are those of `jaccum._pipeline`: forward tick t
-  runs micro-batch t - s on stage s; GPipe's backward loop is the forward
-  loop in reverse; 1F1B's backward tick t re-runs micro-batch t - s and runs
-  the backward of micro-batch t - (2S - 2 - s).
+  Micro-batches enter in groups of S; micro-batch g·S + j passes chunk v of
+  device s at tick g·S·V + v·S + j + s (jaccum's `_Ticks`); backwards run
+  the same way in reverse.
   """
-  S, K = num_stages, num_microbatches
-  one = lambda kind, k: [(kind, k)] if 0 <= k < K else []
-  forward = [[one("F", t - s) for s in range(S)] for t in range(K + S - 1)]
+  period = num_stages * num_chunks
+  group, rest = divmod(offset, period)
+  microbatch = group * num_stages + rest % num_stages
+  chunk = rest // num_stages
+  if offset < 0 or microbatch >= num_microbatches:
+    return None
+  return microbatch, (num_chunks - 1 - chunk if reverse else chunk)
+
+
+def schedule(num_stages, num_chunks, num_microbatches, name):
+  """`loops[i][t][s]`: device s's work in tick t of loop i, `(kind, micro-batch,
+  chunk)` with kind F (forward) or B (backward).
+
+  GPipe: a forward loop, then autodiff's backward loop (the forward in
+  reverse). 1F1B: one loop; a device runs a forward and a backward per tick,
+  the last stage both on the same micro-batch.
+  """
+  S, V, K = num_stages, num_chunks, num_microbatches
+  last = (K - 1) // S * S * V + (K - 1) % S
+  forward_ticks = last + S * V
+  lag = S * (V + 1) - 2
+
+  def work(kind, found):
+    return [] if found is None else [(kind, *found)]
+
   if name == "gpipe":
-    backward = [
-      [one("B", K + S - 2 - t - s) for s in range(S)] for t in range(K + S - 1)
+    forward = [
+      [work("F", slot(S, V, K, t - s)) for s in range(S)] for t in range(forward_ticks)
     ]
-  else:
-    backward = [
-      [one("R", t - s) + one("B", t - (2 * S - 2 - s)) for s in range(S)]
-      for t in range(K + 2 * S - 2)
+    return [
+      forward,
+      [
+        [work("B", cell[0][1:]) if cell else [] for cell in tick]
+        for tick in forward[::-1]
+      ],
     ]
-  return [forward, backward]
-
-
-def modelled(num_stages: int, num_microbatches: int, name: str, remat: bool):
-  """`(step time, idle fraction)` in lockstep ticks, each as long as its busiest
-  stage. With remat a backward re-runs its forward; 1F1B with remat skips the
-  last stage's re-run forward, whose output nobody takes."""
-  total, busy = 0, [0] * num_stages
-  for loop in schedule(num_stages, num_microbatches, name):
-    for tick in loop:
-      work = [
-        sum(
-          COST[kind] + (kind == "B" and remat)
-          for kind, _ in cell
-          if not (remat and kind == "R" and s == num_stages - 1)
-        )
-        for s, cell in enumerate(tick)
+  ticks = last + 2 * S * V - 1
+  return [
+    [
+      [
+        work("F", slot(S, V, K, t - s)) + work("B", slot(S, V, K, t - lag + s, True))
+        for s in range(S)
       ]
+      for t in range(ticks)
+    ]
+  ]
+
+
+def modelled(num_stages, num_chunks, num_microbatches, name):
+  """`(step time, idle fraction)` in lockstep ticks, each as long as its busiest
+  device; a stage's forward on one micro-batch takes 1, its backward 2, a
+  chunk's 1/V of that."""
+  cost = {"F": 1 / num_chunks, "B": 2 / num_chunks}
+  total, busy = 0.0, 0.0
+  for loop in schedule(num_stages, num_chunks, num_microbatches, name):
+    for tick in loop:
+      work = [sum(cost[kind] for kind, *_ in cell) for cell in tick]
       total += max(work)
-      busy = [b + w for b, w in zip(busy, work, strict=True)]
-  return total, 1 - sum(busy) / (num_stages * total)
+      busy += sum(work)
+  return total, 1 - busy / (num_stages * total)
 
 
-def plot_schedules(num_stages: int, num_microbatches: int, path: pathlib.Path) -> None:
-  colors = {"F": "#4c8bd6", "R": "#a9c8ee", "B": "#f0913a"}
-  titles = {
-    "gpipe": "GPipe: a forward loop, then autodiff's backward loop",
-    "1f1b": "1F1B: a forward loop (nothing kept), then a loop of re-run forward "
-    "(top) + backward (bottom)",
-  }
-  widths = [
-    sum(len(loop) + 1 for loop in schedule(num_stages, num_microbatches, n))
-    for n in titles
+def plot_schedules(num_stages, num_microbatches, path: pathlib.Path) -> None:
+  """Each schedule as a timeline: a tick lasts as long as its busiest device's
+  work (a forward 1, a backward 2, a virtual stage's half that), and a device
+  runs its forward, then its backward, within it."""
+  colors = {"F": "#4c8bd6", "B": "#f0913a"}
+  panels = [
+    ("gpipe", 1, "GPipe: a forward loop, then autodiff's backward loop"),
+    ("1f1b", 1, "1F1B, the loss in the last stage: a forward and a backward per tick"),
+    (
+      "1f1b",
+      2,
+      "1F1B, num_virtual_stages=2: two stages per device (the second "
+      "hatched), each half the work",
+    ),
   ]
-  fig, axes = plt.subplots(2, 1, figsize=(11, 4.4))
-  for ax, name in zip(axes, titles, strict=True):
-    offset = 0
-    for loop in schedule(num_stages, num_microbatches, name):
-      # One row per stage; split in two where a tick holds two kinds of work.
-      kinds = sorted({kind for tick in loop for cell in tick for kind, _ in cell})
-      kinds.sort(key="FRB".index)
-      height = 1 / len(kinds)
-      for t, tick in enumerate(loop):
+  fig, axes = plt.subplots(len(panels), 1, figsize=(12, 6.6))
+  ends = []
+  for ax, (name, num_chunks, title) in zip(axes, panels, strict=True):
+    cost = {"F": 1 / num_chunks, "B": 2 / num_chunks}
+    time = 0.0
+    for loop in schedule(num_stages, num_chunks, num_microbatches, name):
+      for tick in loop:
+        width = max(sum(cost[kind] for kind, *_ in cell) for cell in tick)
         for s, cell in enumerate(tick):
-          for i, kind in enumerate(kinds):
-            k, y = dict(cell).get(kind), s + i * height
-            face = "#eeeeee" if k is None else colors[kind]
-            ax.add_patch(plt.Rectangle((offset + t, y), 1, height, fc=face, ec="white"))
-            if k is not None:
-              ax.text(
-                offset + t + 0.5,
-                y + height / 2,
-                k,
-                ha="center",
-                va="center",
-                fontsize=7,
+          ax.add_patch(plt.Rectangle((time, s), width, 1, fc="#eeeeee", ec="white"))
+          start = time
+          for kind, k, v in sorted(cell, key=lambda w: "FB".index(w[0])):
+            ax.add_patch(
+              plt.Rectangle(
+                (start, s),
+                cost[kind],
+                1,
+                fc=colors[kind],
+                ec="white",
+                hatch="////" if v == 1 else None,
               )
-      offset += len(loop) + 1
-    ax.set(
-      xlim=(0, max(widths) - 1),
-      ylim=(num_stages, 0),
-      yticks=np.arange(num_stages) + 0.5,
-    )
-    ax.set_yticklabels([f"stage {s}" for s in range(num_stages)])
-    ax.set_xticks([])
-    ax.set_title(titles[name], fontsize=9, loc="left")
-    for spine in ax.spines.values():
-      spine.set_visible(False)
-  handles = [plt.Rectangle((0, 0), 1, 1, fc=colors[k]) for k in "FRB"] + [
-    plt.Rectangle((0, 0), 1, 1, fc="#eeeeee")
-  ]
+            )
+            ax.text(
+              start + cost[kind] / 2, s + 0.5, k, ha="center", va="center", fontsize=6
+            )
+            start += cost[kind]
+        time += width
+    ends.append(time)
+    ax.set(ylim=(num_stages, 0), yticks=np.arange(num_stages) + 0.5)
+    ax.set_yticklabels([f"device {s}" for s in range(num_stages)])
+    ax.set_title(f"{title}: {time:g}", fontsize=9, loc="left")
+    for spine in ("top", "right", "left"):
+      ax.spines[spine].set_visible(False)
+  for ax in axes:
+    ax.set_xlim(0, max(ends))
+  axes[-1].set_xlabel("time, in forwards of one micro-batch through one stage")
+  handles = [plt.Rectangle((0, 0), 1, 1, fc=colors[k]) for k in "FB"]
+  handles.append(plt.Rectangle((0, 0), 1, 1, fc="#eeeeee"))
   fig.legend(
-    handles,
-    ["forward", "forward re-run", "backward", "idle"],
-    loc="lower center",
-    ncol=4,
-    fontsize=8,
+    handles, ["forward", "backward", "idle"], loc="lower center", ncol=3, fontsize=8
   )
   fig.suptitle(
-    f"S={num_stages} stages, K={num_microbatches} micro-batches (numbered); one "
-    "column is one tick",
+    f"S={num_stages} devices, K={num_microbatches} micro-batches (numbered), in "
+    "lockstep ticks",
     fontsize=10,
   )
-  fig.tight_layout(rect=(0, 0.06, 1, 1))
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -298,11 +411,14 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a few steps, for CI")
   parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+  parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+  parser.add_argument("--virtual-stages", type=int, choices=(1, 2), default=1)
+  parser.add_argument("--dropout", type=float, default=0.1)
   parser.add_argument("--out", default="examples/out/pipeline_lm.png")
   parser.add_argument("--schedule-out", default="examples/out/pipeline_schedule.png")
   args = parser.parse_args()
   num_steps = args.steps or (3 if args.quick else 200)
+  num_chunks = args.virtual_stages
 
   mesh = jax.make_mesh(
     (DATA, STAGES), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2
@@ -315,29 +431,31 @@ def main() -> None:
     mask = np.arange(SEQ_LEN) < lengths[rows, None] - 1  # Real next-byte targets.
     batches.append((tokens[rows, :-1], tokens[rows, 1:], mask.astype(np.float32)))
   print(
-    f"{len(tokens)} paragraphs, {lengths.sum() / 1e3:.0f}k bytes; {num_steps} steps"
+    f"{len(tokens)} paragraphs, {lengths.sum() / 1e3:.0f}k bytes; {num_steps} steps;"
+    f" {args.schedule}, {num_chunks} stage(s) per device, dropout {args.dropout}"
   )
 
-  params = init_params()
+  params = init_params(num_chunks)
+  stage_fn = make_stage(args.dropout)
   # Each stage's blocks on its own devices; the rest (embedding, norm) and the
   # batch as plain JAX would place them: replicated, and sharded over "data".
-  stage_sharding = NamedSharding(mesh, P("stage"))
+  stage_axis = P("stage") if num_chunks == 1 else P(None, "stage")
   pipelined_params = {
     **jax.device_put(
       {k: v for k, v in params.items() if k != "stages"}, NamedSharding(mesh, P())
     ),
-    "stages": jax.device_put(params["stages"], stage_sharding),
+    "stages": jax.device_put(params["stages"], NamedSharding(mesh, stage_axis)),
   }
   batch_sharding = NamedSharding(mesh, P("data"))
   sharded_batches = [jax.device_put(b, batch_sharding) for b in batches]
-  pipe = jaccum.pipeline(stage_fn, NUM_MICROBATCHES, mesh=mesh, schedule=args.schedule)
 
+  loss = pipelined_loss(mesh, stage_fn, args.schedule, num_chunks)
   piped, piped_params, piped_state, piped_seconds = train(
-    pipe, pipelined_params, sharded_batches, f"pipelined ({args.schedule})"
+    loss, pipelined_params, sharded_batches, 1, f"pipelined ({args.schedule})"
   )
   unpipelined_params = jax.device_put(params, jax.devices()[0])
   whole, _, _, whole_seconds = train(
-    sequential_blocks, unpipelined_params, batches, "unpipelined"
+    sequential_loss(stage_fn, num_chunks), unpipelined_params, batches, 1, "unpipelined"
   )
 
   gap = np.abs(piped - whole)
@@ -347,21 +465,24 @@ def main() -> None:
     f"max |pipelined - unpipelined| = {gap.max():.2e} (step {gap.argmax()}); "
     f"at step 0 {gap[0]:.2e}"
   )
-  bubble = (STAGES - 1) / (NUM_MICROBATCHES + STAGES - 1)
+  K = NUM_MICROBATCHES
+  for v in (1, 2):
+    bubble = (STAGES - 1) / (v * K + STAGES - 1)
+    print(
+      f"bubble with {v} stage(s) per device: (S - 1) / (V·K + S - 1) = "
+      f"{STAGES - 1}/{v * K + STAGES - 1} = {bubble:.1%} at K={K}"
+    )
   print(
-    f"bubble fraction (S - 1) / (K + S - 1) = {STAGES - 1}/"
-    f"{NUM_MICROBATCHES + STAGES - 1} = {bubble:.1%} at K={NUM_MICROBATCHES}"
+    "modelled step (lockstep ticks, a tick as long as its busiest device; time "
+    "in forwards of one micro-batch through one stage, a backward = 2) and idle "
+    "fraction:"
   )
-  print(
-    "modelled step (lockstep ticks, backward = 2 forwards; time in forwards of "
-    "one micro-batch through one stage) and idle fraction:"
-  )
-  for k in (NUM_MICROBATCHES, 4 * NUM_MICROBATCHES):
+  for k in (K, 4 * K):
     cells = []
     for name in ("gpipe", "1f1b"):
-      for remat in (False, True):
-        time_units, idle = modelled(STAGES, k, name, remat)
-        cells.append(f"{name}{'+remat' if remat else ''} {time_units} ({idle:.1%})")
+      for v in (1, 2):
+        time_units, idle = modelled(STAGES, v, k, name)
+        cells.append(f"{name}{f'×{v}' if v > 1 else ''} {time_units:g} ({idle:.1%})")
     print(f"  K={k}: " + ", ".join(cells))
   device = mesh.devices.flat[0]
   total = tree_bytes(params)
@@ -382,7 +503,10 @@ def main() -> None:
   steps = np.arange(num_steps)
   fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(11, 4))
   ax_loss.plot(steps, whole, "k-", lw=1.2, label="unpipelined (1 device)")
-  ax_loss.plot(steps, piped, "C0--", lw=1.2, label=f"pipelined, {args.schedule}")
+  label = f"pipelined, {args.schedule}" + (
+    f", V={num_chunks}" if num_chunks > 1 else ""
+  )
+  ax_loss.plot(steps, piped, "C0--", lw=1.2, label=label)
   ax_loss.set(xlabel="step", ylabel="per-token loss (nats)", title="training loss")
   ax_loss.legend()
   ax_gap.plot(steps, piped - whole, "C0", lw=1)
@@ -391,9 +515,9 @@ def main() -> None:
     xlabel="step", ylabel="pipelined - unpipelined", title="difference (float32)"
   )
   fig.suptitle(
-    f"{STAGES * BLOCKS_PER_STAGE}-block LM in {STAGES} stages × {DATA} data shards, "
+    f"{NUM_BLOCKS}-block LM in {STAGES * num_chunks} stages × {DATA} data shards, "
     f"K={NUM_MICROBATCHES} micro-batches of {BATCH_SIZE // DATA // NUM_MICROBATCHES} "
-    "sequences per shard"
+    f"sequences per shard, dropout {args.dropout}"
   )
   fig.tight_layout()
   out = pathlib.Path(args.out)

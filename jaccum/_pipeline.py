@@ -1,39 +1,45 @@
 """`pipeline`: micro-batches flowing through model stages, one stage per device.
 
-The S stages of a model live on the S positions of a mesh axis. A step splits
-each device's rows into K micro-batches, which flow through the stages in a
-`lax.scan` over ticks: at tick t, stage s works on micro-batch t - s and hands
-its output to stage s + 1 with a `ppermute`. Each stage's parameter gradients
-are accumulated over the K micro-batches by the backward pass of that loop, so
-the micro-batches are the accumulation.
+The S stages of a model live on the S positions of a mesh axis; with
+`num_virtual_stages=V`, each device holds V of the L = S·V stages (device s
+holds stages s, S + s, …, as in Megatron's interleaved schedule and MaxText's
+circular pipeline). Each data shard's rows are cut into K micro-batches,
+which flow through the stages in a `lax.scan` over ticks: in a tick every
+device runs at most one stage forward (F) and, in 1F1B, one backward (B),
+then hands activations to the next device and cotangents to the previous one
+with a `ppermute`.
 
-Two schedules, each with or without rematerialisation (F: a stage's forward
-on one micro-batch, B: its backward):
+Everything runs in one `shard_map` over the stage and data axes, under
+`jit`. `stage_fn` and `loss_fn` are traced once, inside it, into programs
+that the loops run; the traced values they close over (a scale shared by all
+stages, a tied table, the head's weights) are explicit inputs of those
+programs, so their gradients accumulate like the stage parameters'.
+Gradients accumulate in `accum_dtype` (float32) whatever the parameters'
+dtype, and `shard_map`'s transpose sums each over the devices once.
 
 - `"gpipe"`: `jax.grad` differentiates the forward loop, whose backward runs
-  after all the forwards. It stores the activations of all K + S - 1 ticks
-  (with `remat`, only their stage inputs, and recomputes the rest: 2F + B).
-- `"1f1b"`: the forward loop stores nothing. A custom VJP re-runs each
-  micro-batch's forward just before its backward, one of each per stage and
-  tick, and keeps what the backward needs for at most 2S - 1 micro-batches,
-  however large K is: the `jax.vjp` residuals (2F + B), or with `remat` only
-  the stage inputs (3F + B).
+  after all the forwards.
+- `"1f1b"` (with `loss_fn`): one loop, in which the last stage computes each
+  micro-batch's loss right after its forward, so that micro-batch's backward
+  starts while later ones still go forward. A custom VJP: its forward rule
+  runs that loop and returns the gradients, its backward rule scales them.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Var
+from jax.core import Tracer
+from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
-from jaccum import _collective
 from jaccum._microbatch import check_num_microbatches
+from jaccum._reduce import check_accum_dtype
 
 P = jax.sharding.PartitionSpec
 Schedule = Literal["gpipe", "1f1b"]
@@ -41,62 +47,118 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def pipeline(
-  stage_fn: Callable[[Any, Any], Any],
+  stage_fn: Callable[..., Any],
   num_microbatches: int,
   *,
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
   axis: str = "stage",
+  data_axes: str | Sequence[str] = (),
   schedule: Schedule = "gpipe",
   remat: bool = False,
-) -> Callable[[Any, Any], Any]:
-  """Runs S stages of a model as a pipeline over K micro-batches.
+  loss_fn: Callable[[Any, Any], Any] | None = None,
+  num_virtual_stages: int = 1,
+  accum_dtype: Any = jnp.float32,
+) -> Callable[..., Any]:
+  """Runs the stages of a model as a pipeline over K micro-batches.
 
   `f = pipeline(stage_fn, K, mesh=mesh)` computes, in exact arithmetic::
 
     def f(stage_params, x):
-      for s in range(S):  # S = mesh.shape[axis]
-        x = stage_fn(jax.tree.map(lambda p: p[s], stage_params), x)
+      for l in range(L):  # L = S stages, S = mesh.shape[axis]
+        x = stage_fn(jax.tree.map(lambda p: p[l], stage_params), x)
       return x
 
   but stage s runs only on the devices at position s of `axis`, keeps its
-  parameters there, and works on K micro-batches one after another. Only
+  parameters there, and works on K micro-batches one after another; only
   activations (and, backwards, their cotangents) pass between neighbouring
-  stages. The other mesh axes (e.g. `"data"`) shard the batch: each device
-  group pipelines its own rows, and `jax.grad` reduces the parameter
-  gradients over them once per step, after the loop.
+  stages. The mesh axes in `data_axes` shard the batch: each data shard
+  pipelines its own rows, and the gradients are reduced over them once per
+  step, after the loop. `jax.grad` through `f` gives each stage's gradients
+  summed over the micro-batches: the whole batch's.
 
-  The embedding, head and loss are ordinary JAX around `f`; `jax.grad`
-  through `f` gives each stage's gradients summed over the K micro-batches,
-  which is the whole-batch gradient. A stage is idle for a fraction
-  (S - 1) / (K + S - 1) of the step (the bubble), so a larger K helps.
+  With `loss_fn`, the last stage also computes the loss, micro-batch by
+  micro-batch, and `f(stage_params, x, targets)` returns::
+
+    sum(loss_fn(y[m], targets[m]) for m in range(D * K))
+
+  where y[m] is the last stage's output on micro-batch m of the D × K of the
+  whole batch (D data shards). Micro-batch m holds rows m·R to (m + 1)·R − 1
+  (R = N / (D × K)): each data shard cuts its block of rows into K in order.
+  The head and the loss then run once per micro-batch, on the last stage,
+  instead of on the output that every stage holds; and `"1f1b"` can start a
+  micro-batch's backward right after its forward.
+
+  Schedules, with F a stage's forward on one micro-batch and B its backward:
+
+  - `"gpipe"`: F + B per micro-batch and stage; a stage keeps the
+    activations of all K + S − 1 ticks for the backward, growing with K
+    (with `remat`: 2F + B, and only each tick's stage input). Needs no
+    `loss_fn`, and forward mode (`jax.jvp`) works through it. Wins at small
+    K, and where the loss cannot run inside the pipeline.
+  - `"1f1b"`: F + B; a device keeps the residuals of at most 2S − 1
+    micro-batches however large K is (stage s needs 2(S − 1 − s) + 1; with
+    `remat`: 2F + B, and only their stage inputs). Needs `loss_fn`; reverse
+    mode only. From K ≈ 2S on: the least compute, or with `remat` the least
+    memory, which does not grow with K.
+
+  In lockstep ticks both take (K + S − 1)(F + B); a stage is idle for the
+  bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V` each
+  device runs V stages, each 1/V of the work, and a micro-batch goes round
+  the devices V times: the bubble falls to (S − 1) / (V·K + S − 1).
 
   Args:
-    stage_fn: `stage_fn(params_s, x_mb) -> y_mb`, one stage on one
+    stage_fn: `stage_fn(params_l, x_mb) -> y_mb`, one stage on one
       micro-batch; `y_mb` has `x_mb`'s structure, shapes and dtypes. It sees
-      stage s's slice of `stage_params` (the leading stage axis removed).
+      stage l's slice of `stage_params` (the leading stage axes removed).
+      When `f` gets `rng`, it is called with `rng=key`; when `f` gets
+      `state`, with `state=state_l`, and returns `(y_mb, new_state_l)`. The
+      traced arrays it closes over get gradients like arguments.
     num_microbatches: micro-batches per step and per data shard, K.
-    mesh: the device mesh. `axis` holds the stages; every other axis shards
-      the batch.
+    mesh: the device mesh; each of its axes of size > 1 is `axis` or one of
+      `data_axes`.
     axis: the mesh axis of the stages.
-    schedule: `"gpipe"` (autodiff of the forward loop: what a stage stores
-      grows with K) or `"1f1b"` (a backward that re-runs each micro-batch's
-      forward just before its backward: a stage stores what at most 2S - 1
-      micro-batches need, at the cost of one more forward).
-    remat: store only each stage's micro-batch inputs and recompute the rest
-      in the backward pass (`jax.checkpoint`), one more forward again.
+    data_axes: the mesh axes that shard the batch (e.g. `"data"`).
+    schedule: `"gpipe"` or `"1f1b"`, above.
+    remat: keep only each stage's micro-batch inputs for the backward and
+      recompute the rest (`jax.checkpoint`): one more forward.
+    loss_fn: `loss_fn(y_mb, targets_mb) -> scalar`, the loss of one
+      micro-batch, run by the last stage; the traced arrays it closes over
+      (the head's weights) get gradients like arguments. For a mean over the
+      batch, make it a sum over its rows and divide `f`'s result by the
+      number of rows (or tokens).
+    num_virtual_stages: stages per device, V (L = S·V stages in all).
+    accum_dtype: floating gradients narrower than this (bfloat16) are
+      accumulated in it and cast back at the end (the stage parameters' are
+      also summed over devices in it); `None` keeps their dtype. The summed
+      loss is accumulated in it too.
 
   Returns:
-    `f(stage_params, x)`. Every leaf of `stage_params` has a leading dimension
-    S, sharded over `axis`. `x` is a pytree of arrays with a common leading
-    batch size N, a multiple of (the batch-axes' size × K). The result has
-    `x`'s structure, sharded like it over the batch axes.
+    `f(stage_params, x, targets=None, *, rng=None, state=None)`. Every leaf
+    of `stage_params` has leading dimensions `[S]`, or `[V, S]` with V > 1
+    (stage v·S + s at `[v, s]`), sharded over `axis` on the S dimension.
+    `x` (and `targets`) are pytrees of arrays with a common leading batch
+    size N, a multiple of D × K. `f` returns `y`, with `x`'s structure and
+    dtypes, sharded like `x` over the data axes and replicated over `axis`;
+    with `loss_fn`, the summed loss.
+
+    With `rng=key`, stage l on micro-batch m gets
+    `jax.random.fold_in(jax.random.fold_in(key, m), l)`: a different key for
+    every stage and micro-batch. With `state=` (a tree with `stage_params`'
+    leading dimensions: BatchNorm statistics, counters), each stage's state
+    is threaded through its micro-batches in order, once per micro-batch
+    (never in the bubble), and `f` returns `(y_or_loss, new_state)`. With
+    several data shards each advances its own copy; floating state comes
+    back averaged over them, other state as the first shard left it. State
+    gets no gradient.
 
   Raises:
-    ValueError: `axis` is not a mesh axis, a `stage_params` leaf's leading
-      size is not S, N does not split into data shards × K micro-batches,
-      `stage_fn` changes its input's structure, shape or dtype, or the
-      schedule is unknown.
-    TypeError: `num_microbatches` is not a positive int.
+    ValueError: an axis or option is unknown, a mesh axis is neither `axis`
+      nor a data axis, a leading size is not the number of stages, N does
+      not split into D × K micro-batches, `stage_fn` changes its input's
+      structure, shape or dtype, or `"1f1b"` has no `loss_fn`.
+    TypeError: `num_microbatches` or `num_virtual_stages` is not a positive
+      int, `loss_fn` does not return a floating scalar, `targets` is given
+      without `loss_fn`, `rng` is not a key.
 
   Examples:
     One stage of `tanh(x @ w)` per device, two micro-batches, against the
@@ -115,363 +177,1078 @@ def pipeline(
     ...   sequential = stage(w, sequential)
     >>> bool(jnp.allclose(f(ws, x), sequential))
     True
+
+    The loss in the last stage, and the 1F1B schedule:
+
+    >>> loss = lambda y, t: jnp.sum((y - t) ** 2)
+    >>> f = jaccum.pipeline(stage, 2, mesh=mesh, schedule="1f1b", loss_fn=loss)
+    >>> grads = jax.jit(jax.grad(f))(ws, x, jnp.ones_like(x))
+    >>> def sequential_loss(ws):
+    ...   y = x
+    ...   for w in ws:
+    ...     y = stage(w, y)
+    ...   return loss(y, jnp.ones_like(x))
+    >>> bool(jnp.allclose(grads, jax.grad(sequential_loss)(ws), atol=1e-6))
+    True
   """
   num_microbatches = check_num_microbatches(num_microbatches)
+  num_chunks = _check_positive_int(num_virtual_stages, "num_virtual_stages")
+  accum = check_accum_dtype(accum_dtype, "accum_dtype")
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
-  if axis not in mesh.axis_names:
+  if schedule == "1f1b" and loss_fn is None:
     raise ValueError(
-      f"axis={axis!r} is not an axis of the mesh, whose axes are "
-      f"{tuple(mesh.axis_names)}; pass axis= one of them, or build the mesh "
-      f"with a {axis!r} axis."
+      'schedule="1f1b" needs loss_fn=: a micro-batch\'s backward starts right '
+      "after its loss, which the last stage must therefore compute. Pass the "
+      'head and loss as loss_fn=, or use "gpipe" (remat=True for less memory).'
     )
-  num_stages = mesh.shape[axis]
-  batch_axes = tuple(a for a in mesh.axis_names if a != axis)
-  num_shards = math.prod(mesh.shape[a] for a in batch_axes)
-  if schedule == "gpipe":
-    checkpointed = jax.checkpoint(stage_fn) if remat else stage_fn
-    run = functools.partial(_forward_loop, checkpointed)
-  else:
-    run = functools.partial(_one_f_one_b, stage_fn, remat=remat)
-  batch_spec = P(batch_axes) if batch_axes else P()
+  data_axes = _check_axes(mesh, axis, data_axes)
+  num_shards = math.prod(mesh.shape[a] for a in data_axes)
+  ticks = _Ticks(mesh.shape[axis], num_chunks, num_microbatches)
 
-  def apply(stage_params: Any, x: Any) -> Any:
-    _check_stage_params(stage_params, num_stages, axis)
-    batch_size = _check_batch(x, num_microbatches, num_shards, batch_axes)
-    rows = batch_size // num_shards // num_microbatches
-
-    def local(params, x):
-      # Each stage holds a leading slice of length 1 of every parameter.
-      params = jax.tree.map(lambda p: p[0], params)
-      # Inside shard_map the parameters do not vary over the batch axes and x
-      # does not vary over the stage axis. Used as they are in the loop, JAX
-      # would cast them to varying at each use, and the transpose of each
-      # cast is a psum: an all-reduce of the parameter gradients in every
-      # tick of the backward loop. Casting once here puts those psums after
-      # the loop instead: one reduction of the gradients over the batch axes
-      # per step, and one of x's cotangent over the stages (nonzero on stage
-      # 0 only). We keep check_vma on rather than turning it off: off, JAX
-      # would neither check that the result really is replicated over the
-      # stages nor show in the types where the reductions go.
-      everywhere = (axis, *batch_axes)
-      params = _collective.cast_varying(params, everywhere)
-      x = _collective.cast_varying(x, everywhere)
-      xs = jax.tree.map(lambda a: a.reshape(num_microbatches, rows, *a.shape[1:]), x)
-      ys = run(params, xs, axis, num_stages)
-      # The result lives on the last stage; hand it to every stage (outside
-      # the loop), so that it leaves shard_map replicated over `axis`.
-      last = jax.lax.axis_index(axis) == num_stages - 1
-      ys = jax.tree.map(lambda y: jnp.where(last, y, jnp.zeros_like(y)), ys)
-      ys = jax.lax.psum(ys, axis)
-      return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), ys)
-
-    if _any_explicit(mesh):
-      # shard_map over explicit axes takes its inputs only in the layout its
-      # specs name; move them there (a no-op when they already are).
-      stage_params = _reshard(stage_params, jax.NamedSharding(mesh, P(axis)))
-      x = _reshard(x, jax.NamedSharding(mesh, batch_spec))
-    sharded = jax.shard_map(
-      local, mesh=mesh, in_specs=(P(axis), batch_spec), out_specs=batch_spec
+  def apply(
+    stage_params: Any,
+    x: Any,
+    targets: Any = None,
+    *,
+    rng: jax.Array | None = None,
+    state: Any = None,
+  ) -> Any:
+    if loss_fn is None and targets is not None:
+      raise TypeError(
+        "targets is what loss_fn takes beside the last stage's output, but "
+        "this pipeline has no loss_fn: pass loss_fn= to pipeline(), or drop "
+        "targets."
+      )
+    params = _stack_chunks(stage_params, "stage_params", ticks, axis)
+    chunked_state = (
+      None if state is None else _stack_chunks(state, "state", ticks, axis)
     )
-    return sharded(stage_params, x)
+    batch = {"x": x} if loss_fn is None else {"x": x, "targets": targets}
+    _check_batch(batch, num_microbatches, num_shards, data_axes)
+    key_data, key_impl = (None, None) if rng is None else _check_key(rng)
+    layout = _Layout(ticks, axis, data_axes, bool(remat), accum, key_impl)
+    param_dtypes = jax.tree.map(_dtype, params)
+
+    def local(params, x, targets, key, state):
+      params, state = _local_chunks(params), _local_chunks(state)
+      stage, head = _trace_user_functions(
+        stage_fn, loss_fn, (params, param_dtypes, x, targets, key, state), layout
+      )
+      args = _Args(
+        params=params,
+        stage_consts=stage.consts,
+        head_consts=[] if head is None else head.consts,
+        x=x,
+        targets=targets,
+        key=key,
+        state=state,
+      )
+      if schedule == "1f1b":
+        assert head is not None
+        out, state = _one_f_one_b(layout, stage, head, param_dtypes, args)
+      else:
+        out, state = _gpipe(layout, stage, head, param_dtypes, args)
+      out = out if head is None else out[None]  # each device's share
+      return out, _combine_state(layout, _device_chunks(state))
+
+    # Parameters enter in `accum_dtype` and are cast to their own dtype where
+    # a stage uses them: their gradients are accumulated in it, and summed
+    # over the data shards in it by `shard_map`'s transpose.
+    widened = jax.tree.map(lambda a: a.astype(layout.accum_dtype(a.dtype)), params)
+    inputs = (widened, x, targets, key_data, chunked_state)
+    specs = _specs(layout)
+    # A loss comes out as each device's share, summed after `shard_map`:
+    # summed inside, its cotangent would reach the backward through a psum,
+    # and XLA could not fold away a multiplication by 1.
+    out_spec = _batch_spec(layout) if loss_fn is None else P(layout.all_axes)
+    # jit: JAX's eager shard_map cannot differentiate a custom VJP inside it.
+    sharded = jax.jit(
+      jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=(out_spec, specs[-1]),
+        check_vma=False,
+      )
+    )
+    out, new_state = sharded(*_placed(mesh, specs, inputs))
+    if loss_fn is not None:
+      out = jnp.sum(out)
+    if state is None:
+      return out
+    return out, _unstack_chunks(new_state, ticks)
 
   return apply
 
 
-# --- the schedules: local to one device, inside shard_map ---------------------
+# --- the schedule: who runs what, tick by tick --------------------------------
 
 
-def _take(xs: Any, index: jax.Array) -> Any:
-  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, False), xs)
+class _Ticks(NamedTuple):
+  """Which micro-batch and which of its V chunks a device runs at a tick.
+
+  Micro-batches enter in groups of S. Micro-batch k = g·S + j passes stage
+  l = v·S + s (chunk v of device s) forward at tick g·S·V + v·S + j + s: it
+  reaches the next stage one tick later, goes round the devices V times, and
+  no device gets two forwards in one tick. Backwards run the same way in
+  reverse, starting in the tick of the last stage's forward: stage l runs a
+  micro-batch's backward 2(L − 1 − l) ticks after its forward. The
+  arithmetic works on Python ints, NumPy and traced arrays alike.
+  """
+
+  num_stages: int
+  num_chunks: int
+  num_microbatches: int
+
+  def _slot(self, offset: Any, reverse: bool) -> tuple[Any, Any, Any]:
+    period = self.num_stages * self.num_chunks
+    group, rest = offset // period, offset % period
+    microbatch = group * self.num_stages + rest % self.num_stages
+    chunk = rest // self.num_stages
+    if reverse:
+      chunk = self.num_chunks - 1 - chunk
+    return microbatch, chunk, (offset >= 0) & (microbatch < self.num_microbatches)
+
+  def forward(self, tick: Any, device: Any) -> tuple[Any, Any, Any]:
+    """`(micro-batch, chunk, active)` of the forward `device` runs at `tick`."""
+    return self._slot(tick - device, reverse=False)
+
+  def backward(self, tick: Any, device: Any) -> tuple[Any, Any, Any]:
+    """`(micro-batch, chunk, active)` of the backward `device` runs at `tick`."""
+    return self._slot(tick - self._lag_offset + device, reverse=True)
+
+  @property
+  def _lag_offset(self) -> int:
+    return self.num_stages * (self.num_chunks + 1) - 2
+
+  def _start(self, microbatch: int) -> int:
+    """The tick of micro-batch k's forward through the first stage."""
+    group, j = divmod(microbatch, self.num_stages)
+    return group * self.num_stages * self.num_chunks + j
+
+  @property
+  def num_forward_ticks(self) -> int:
+    last = self._start(self.num_microbatches - 1)
+    return last + self.num_stages * self.num_chunks
+
+  @property
+  def num_1f1b_ticks(self) -> int:
+    last = self._start(self.num_microbatches - 1)
+    return last + 2 * self.num_stages * self.num_chunks - 1
+
+  def ring_sizes(self) -> tuple[int, ...]:
+    """For each chunk, the most micro-batches a device holds between F and B.
+
+    Counted in the tick of a forward, after it writes its slot and before
+    that tick's backward reads one. The micro-batches a device holds for a
+    chunk are consecutive, so slot `k % size` never holds two at once.
+    Counted as if more micro-batches followed: an idle forward at the end
+    writes the slot micro-batch K + j would use, harmlessly, rather than
+    spend a `select` on keeping the slot's old value.
+    """
+    S, V = self.num_stages, self.num_chunks
+    num_microbatches = self.num_microbatches + 3 * S
+    starts = np.array([self._start(k) for k in range(num_microbatches)])
+    sizes = []
+    for v in range(V):
+      size = 1
+      for s in range(S):
+        stage = v * S + s
+        forward = starts + stage
+        backward = forward + 2 * (S * V - 1 - stage)
+        ticks = np.arange(forward[0], self.num_1f1b_ticks)
+        done = np.searchsorted(forward, ticks, side="right")
+        freed = np.searchsorted(backward, ticks, side="left")
+        size = max(size, int((done - freed).max()))
+      sizes.append(size)
+    return tuple(sizes)
 
 
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+class _Layout(NamedTuple):
+  """The static facts the loops need."""
+
+  ticks: _Ticks
+  axis: str
+  data_axes: tuple[str, ...]
+  remat: bool
+  accum: np.dtype | None
+  key_impl: Any  # a typed key's implementation, None for a raw uint32 key
+
+  @property
+  def all_axes(self) -> tuple[str, ...]:
+    return (self.axis, *self.data_axes)
+
+  def wrap_key(self, key: Any) -> Any:
+    if key is None or self.key_impl is None:
+      return key
+    return jax.random.wrap_key_data(key, impl=self.key_impl)
+
+  def key(self, key: Any, microbatch: Any, chunk: Any) -> Any:
+    """Stage l's key on micro-batch m: `fold_in(fold_in(key, m), l)`."""
+    if key is None:
+      return None
+    ticks = self.ticks
+    data = jax.lax.axis_index(self.data_axes) if self.data_axes else 0
+    stage = chunk * ticks.num_stages + jax.lax.axis_index(self.axis)
+    index = data * ticks.num_microbatches + microbatch
+    return jax.random.fold_in(jax.random.fold_in(key, index), stage)
+
+  def accum_dtype(self, dtype: Any) -> np.dtype:
+    """`dtype`, or `accum_dtype` where that is a wider float."""
+    dtype = np.dtype(dtype)
+    accum = self.accum
+    if accum is not None and _is_float(dtype) and dtype.itemsize < accum.itemsize:
+      return accum
+    return dtype
 
 
-def _zeros_like(tree: Any) -> Any:
-  """Zeros with `tree`'s shapes, dtypes and device-varying axes."""
-  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-  return _collective.match_varying(zeros, tree)
+class _Args(NamedTuple):
+  """What a device's loops take: its chunks' params and state `[V, ...]`.
+
+  The params come in `accum_dtype`, the key as data. The 1F1B custom VJP
+  takes them as its input, and gives their cotangents in the same tree.
+  """
+
+  params: Any
+  stage_consts: Any  # a list of arrays
+  head_consts: Any
+  x: Any
+  targets: Any
+  key: Any
+  state: Any
 
 
-def _shift(tree: Any, axis: str, num_stages: int, step: int) -> Any:
-  """Sends every stage's `tree` to stage s + step; the stage at the end gets 0."""
-  pairs = [(s, s + step) for s in range(num_stages) if 0 <= s + step < num_stages]
-  return jax.lax.ppermute(tree, axis, pairs)
+# --- the user's functions, traced once ------------------------------------------
 
 
-def _in_range(index: jax.Array, num_microbatches: int) -> jax.Array:
-  return (index >= 0) & (index < num_microbatches)
+class _Traced(NamedTuple):
+  """A function traced once into a program, run without tracing it again.
+
+  The traced values it closed over (a shared scale, the head's weights:
+  anything from the enclosing `jit` or `grad`) are `consts`, passed in
+  explicitly. The loops accumulate their gradients, the custom VJP takes
+  them as inputs (closing over them would leak tracers), and they cross
+  into `shard_map` replicated.
+  """
+
+  closed: ClosedJaxpr
+  hoisted: tuple[int, ...]
+  out_tree: Any
+
+  @property
+  def consts(self) -> list[Any]:
+    return [self.closed.consts[i] for i in self.hoisted]
+
+  @property
+  def out_dtype(self) -> np.dtype:
+    return np.dtype(self.closed.out_avals[0].dtype)
+
+  def __call__(self, consts: Sequence[Any], *args: Any) -> Any:
+    values = list(self.closed.consts)
+    for i, value in zip(self.hoisted, consts, strict=True):
+      values[i] = value
+    program = jaxpr_as_fun(ClosedJaxpr(self.closed.jaxpr, values))
+    return jax.tree.unflatten(self.out_tree, program(*jax.tree.leaves(args)))
+
+
+def _trace(fn: Callable[..., Any], *example: Any) -> tuple[_Traced, Any]:
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+  hoisted = tuple(i for i, c in enumerate(closed.consts) if isinstance(c, Tracer))
+  return _Traced(closed, hoisted, jax.tree.structure(out_shape)), out_shape
+
+
+def _trace_user_functions(
+  stage_fn: Callable[..., Any],
+  loss_fn: Callable[..., Any] | None,
+  inputs: tuple[Any, ...],
+  layout: _Layout,
+) -> tuple[_Traced, _Traced | None]:
+  """Traces `stage_fn` as `(params, x, key, state) -> (y, state)`, and `loss_fn`.
+
+  Inside `shard_map`, on what one device holds (`inputs`: its chunks' params,
+  their dtypes, its rows of x and targets, the key as data, its state): the
+  programs then have the device's types, and what the functions close over
+  is passed into `shard_map` replicated.
+  """
+  params, param_dtypes, x, targets, key, state = inputs
+
+  def stage_call(params, x, key, state):
+    kwargs = {} if key is None else {"rng": key}
+    if state is None:
+      return stage_fn(params, x, **kwargs), None
+    out = stage_fn(params, x, state=state, **kwargs)
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise ValueError(
+        "stage_fn, called with state=, must return (y, new_state); got "
+        f"{type(out).__name__}."
+      )
+    return out
+
+  rows = jax.tree.leaves(x)[0].shape[0] // layout.ticks.num_microbatches
+
+  def shapes(tree, shape, dtypes=None):
+    dtypes = jax.tree.map(_dtype, tree) if dtypes is None else dtypes
+    return jax.tree.map(
+      lambda a, d: jax.ShapeDtypeStruct(shape(a.shape), d), tree, dtypes
+    )
+
+  micro = lambda tree: shapes(tree, lambda s: (rows, *s[1:]))
+  per_stage = lambda tree, dtypes=None: shapes(tree, lambda s: s[1:], dtypes)
+  key = layout.wrap_key(key)
+  key = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
+  example = (per_stage(params, param_dtypes), micro(x), key, per_stage(state))
+  stage, (y, new_state) = _trace(stage_call, *example)
+  _check_stage_output(micro(x), y)
+  if state is not None:
+    _check_new_state(per_stage(state), new_state)
+  if loss_fn is None:
+    return stage, None
+  head, value = _trace(loss_fn, micro(x), micro(targets))
+  if not (
+    isinstance(value, jax.ShapeDtypeStruct)
+    and value.shape == ()
+    and jnp.issubdtype(value.dtype, jnp.floating)
+  ):
+    raise TypeError(
+      "loss_fn must return a floating scalar, the loss of one micro-batch; "
+      f"got {value}."
+    )
+  return stage, head
+
+
+# --- GPipe: the forward loop, differentiated by JAX ------------------------------
+
+
+def _gpipe(
+  layout: _Layout,
+  stage: _Traced,
+  head: _Traced | None,
+  param_dtypes: Any,
+  args: _Args,
+) -> tuple[Any, Any]:
+  """A device's forward loop (and head); `jax.grad` makes the backward loop.
+
+  Returns the output (replicated over the stages) or the device's share of
+  the summed loss, and the device's state. Closed-over values are used in
+  `accum_dtype` too, so that their gradients accumulate in it.
+  """
+  num_microbatches = layout.ticks.num_microbatches
+  widen = lambda leaves: [c.astype(layout.accum_dtype(c.dtype)) for c in leaves]
+  stage_consts, head_consts = widen(args.stage_consts), widen(args.head_consts)
+
+  def run(params, x, key, state):
+    consts = _cast(stage_consts, [c.dtype for c in args.stage_consts])
+    return stage(consts, _cast(params, param_dtypes), x, key, state)
+
+  xs = _split(args.x, num_microbatches)
+  key = layout.wrap_key(args.key)
+  outputs, state = _forward_loop(layout, run, args.params, xs, key, args.state)
+  if head is None:
+    return _unsplit(_from_last_stage(layout, outputs)), state
+  traced = head
+
+  def loss(y, t):
+    return traced(_cast(head_consts, [c.dtype for c in args.head_consts]), y, t)
+
+  targets = _split(args.targets, num_microbatches)
+  return _total_loss(layout, traced.out_dtype, loss, outputs, targets), state
 
 
 def _forward_loop(
-  stage_fn: Callable[[Any, Any], Any], params: Any, xs: Any, axis: str, num_stages: int
-) -> Any:
-  """K + S - 1 ticks; at tick t stage s maps micro-batch t - s.
+  layout: _Layout,
+  run: Callable[..., Any],
+  params: Any,
+  xs: Any,
+  key: Any,
+  state: Any,
+) -> tuple[Any, Any]:
+  """All forward ticks; returns the last stage's outputs `[K, ...]` and the state.
 
-  Returns `[K, ...]`: the outputs of the stage this device holds, of which
-  the last stage's are the pipeline's.
+  The outputs are filled in on the device holding the last stage, and are
+  zeros elsewhere.
   """
-  num_microbatches = jax.tree.leaves(xs)[0].shape[0]
-  stage = jax.lax.axis_index(axis)
+  ticks = layout.ticks
+  S, V, K = ticks.num_stages, ticks.num_chunks, ticks.num_microbatches
+  device = jax.lax.axis_index(layout.axis)
 
-  def tick(received, t):
-    fresh = _take(xs, jnp.minimum(t, num_microbatches - 1))
-    inputs = _select(stage == 0, fresh, received)
-    # A stage runs `stage_fn` in its idle ticks too and its outputs there go
-    # unused (their cotangents are zero). Skipping them with `lax.cond` would
-    # make autodiff store the cond's operands, the parameters included, once
-    # per tick. Idle ticks see real data, never placeholders (before a
-    # stage's first micro-batch arrives, the first micro-batch's input passed
-    # through the stages that ran; after its last, the last micro-batch's
-    # activations again), so `stage_fn` is not asked for values and
-    # derivatives at points like 0, where it may have none.
-    outputs = stage_fn(params, inputs)
-    _check_stage_output(inputs, outputs)
-    return _shift(outputs, axis, num_stages, 1), outputs
+  # With V > 1 a tick's parameters are a chunk chosen by the tick: autodiff
+  # would keep it, and every slice or transpose the stage takes of it, for
+  # the backward once per tick. Kept instead is only what took arithmetic
+  # to compute; the backward slices the chunk again from the stack of all
+  # chunks, which the loop does not change and autodiff keeps once.
+  def run_chunk(params, chunk, x, key, state):
+    return run(_take_chunk(params, chunk, V), x, key, state)
 
-  first = _take(xs, jnp.int32(0))
-  ticks = jnp.arange(num_microbatches + num_stages - 1)
-  _, outputs = jax.lax.scan(tick, first, ticks)
-  return jax.tree.map(lambda y: y[num_stages - 1 :], outputs)
+  if layout.remat:
+    run_chunk = jax.checkpoint(run_chunk)
+  elif V > 1:
+    run_chunk = jax.checkpoint(run_chunk, policy=_save_arithmetic)
+
+  def tick(carry, t):
+    received, outputs, state = carry
+    microbatch, chunk, active = ticks.forward(t, device)
+    microbatch = jnp.clip(microbatch, 0, K - 1)
+    inputs = _select((device == 0) & (chunk == 0), _take(xs, microbatch), received)
+    # A device runs `stage_fn` in its idle ticks too, and what it computes
+    # there goes nowhere (its cotangent is zero). Skipping it with
+    # `lax.cond` would make autodiff keep the cond's operands, the
+    # parameters included, once per tick. Idle ticks see real data, never
+    # placeholders (the first micro-batch's input before a device's first
+    # micro-batch arrives, activations of the last one after its last), so
+    # `stage_fn` is not asked for values and derivatives at points like 0,
+    # where it may have none.
+    old_state = _take_chunk(state, chunk, V)
+    step_key = layout.key(key, microbatch, chunk)
+    y, new_state = run_chunk(params, chunk, inputs, step_key, _stop(old_state))
+    last = active & (device == S - 1) & (chunk == V - 1)
+    outputs = _put(outputs, microbatch, y, last)
+    new_state = _select(active, _stop(new_state), old_state)
+    state = _put_chunk(state, chunk, new_state, V)
+    return (_shift(y, layout, +1), outputs, state), None
+
+  outputs = jax.tree.map(jnp.zeros_like, xs)
+  carry = (_take(xs, jnp.int32(0)), outputs, state)
+  steps = jnp.arange(ticks.num_forward_ticks)
+  (_, outputs, state), _ = jax.lax.scan(tick, carry, steps)
+  return outputs, state
+
+
+# Primitives that only move or retype data: recomputing them costs no arithmetic.
+_MOVES = frozenset(
+  {
+    "broadcast_in_dim",
+    "concatenate",
+    "convert_element_type",
+    "copy",
+    "dynamic_slice",
+    "expand_dims",
+    "gather",
+    "name",
+    "pad",
+    "reshape",
+    "rev",
+    "slice",
+    "squeeze",
+    "transpose",
+  }
+)
+
+
+def _save_arithmetic(prim: Any, *_: Any, **__: Any) -> bool:
+  """A `jax.checkpoint` policy: keep what took arithmetic, redo data movement."""
+  return prim.name not in _MOVES
+
+
+def _total_loss(
+  layout: _Layout,
+  dtype: np.dtype,
+  loss: Callable[[Any, Any], Any],
+  outputs: Any,
+  targets: Any,
+) -> jax.Array:
+  """Σ_k loss(outputs[k], targets[k]) on the last stage's devices, 0 elsewhere.
+
+  One `lax.cond` around a loop over the micro-batches, after the forward
+  loop: the other devices skip the head, and autodiff keeps what the head's
+  backward needs once, not once per tick.
+  """
+  total_dtype = layout.accum_dtype(dtype)
+
+  def losses(outputs, targets):
+    def body(total, k):
+      value = loss(_take(outputs, k), _take(targets, k))
+      return total + value.astype(total_dtype), None
+
+    zero = jnp.zeros((), total_dtype)
+    return jax.lax.scan(body, zero, jnp.arange(layout.ticks.num_microbatches))[0]
+
+  nothing = lambda *_: jnp.zeros((), total_dtype)
+  last = jax.lax.axis_index(layout.axis) == layout.ticks.num_stages - 1
+  return jax.lax.cond(last, losses, nothing, outputs, targets).astype(dtype)
+
+
+# --- 1F1B: forwards and backwards in one loop, the loss in the last stage --------
 
 
 def _one_f_one_b(
-  stage_fn: Callable[[Any, Any], Any],
-  params: Any,
-  xs: Any,
-  axis: str,
-  num_stages: int,
-  remat: bool,
-) -> Any:
-  """The forward loop, differentiated by a backward that stores O(S), not O(K).
+  layout: _Layout,
+  stage: _Traced,
+  head: _Traced,
+  param_dtypes: Any,
+  args: _Args,
+) -> tuple[jax.Array, Any]:
+  """A device's 1F1B: a custom VJP whose forward rule computes the gradients.
 
-  The backward loop runs K + 2S - 2 ticks. At tick t stage s re-runs the
-  forward of micro-batch t - s (from the batch on stage 0, from the previous
-  stage's output elsewhere) and keeps what its backward needs in a ring of
-  2S - 1 slots: the residuals of `jax.vjp`, or with `remat` only the input.
-  In the same tick it runs the backward of micro-batch t - (2S - 2 - s) from
-  what was kept for it, and sends the input's cotangent to stage s - 1. A
-  micro-batch waits 2(S - 1 - s) ticks on stage s between its forward and its
-  backward, so 2S - 1 slots hold all those in flight.
+  Undifferentiated it is GPipe's forward loop and head. Differentiated, its
+  forward rule runs the 1F1B loop (`_one_f_one_b_loop`), which returns this
+  device's share of the gradients of the summed loss; the backward rule
+  scales them by the loss's cotangent, and `shard_map`'s transpose sums them
+  over the devices. Returns the summed loss and the device's state.
   """
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), _dtype(a)), args)
 
   @jax.custom_vjp
-  def run(params, xs):
-    return _forward_loop(stage_fn, params, xs, axis, num_stages)
+  def run(args):
+    return _gpipe(layout, stage, head, param_dtypes, args)
 
-  def run_fwd(params, xs):
-    # Nothing but the inputs is kept: the backward recomputes the rest.
-    return run(params, xs), (params, xs)
+  def run_fwd(args):
+    loss, state, grads = _one_f_one_b_loop(layout, stage, head, param_dtypes, args)
+    return (loss, state), grads
 
-  def run_bwd(residuals, output_cotangents):
-    params, xs = residuals
-    num_microbatches = jax.tree.leaves(xs)[0].shape[0]
-    num_slots = 2 * num_stages - 1
-    stage = jax.lax.axis_index(axis)
-    first, last = stage == 0, stage == num_stages - 1
-    lag = 2 * num_stages - 2 - stage  # ticks from a forward to its backward
-    clip = lambda i: jnp.clip(i, 0, num_microbatches - 1)
-    everywhere = _collective.varying_axes(jax.tree.leaves(xs)[0])
-    microbatch = _take(xs, jnp.int32(0))
+  def run_bwd(grads, cotangents):
+    scale = cotangents[0]
 
-    # Without remat the ring keeps the residuals of `jax.vjp(stage_fn, ...)`:
-    # the function it returns is a pytree whose leaves are its residuals.
-    # Those computed from the parameters alone (the parameters themselves,
-    # slices and transposes of them, constants) are the same for every
-    # micro-batch: they are computed once, before the loop, and kept once.
-    def vjp_residuals(params, inputs):
-      outputs, vjp = jax.vjp(stage_fn, params, inputs)
-      leaves, treedef[0] = jax.tree.flatten(vjp)
-      return outputs, leaves
-
-    treedef: list[Any] = [None]
-    per_microbatch: list[bool] = []
-    shared: list[Any] = []
-    if not remat:
-      per_microbatch = _depends_on_inputs(
-        lambda p, a: vjp_residuals(p, a)[1], params, microbatch
-      )
-      leaves = vjp_residuals(params, microbatch)[1]
-      shared = [r for r, d in zip(leaves, per_microbatch, strict=True) if not d]
-      kept_like = [
-        _collective.cast_varying(jnp.zeros(r.shape, r.dtype), everywhere)
-        for r, d in zip(leaves, per_microbatch, strict=True)
-        if d
+    def scaled(grads, like):
+      floating = [a for a in jax.tree.leaves(like) if _is_float(a.dtype)]
+      grads = [
+        (g * scale.astype(g.dtype)).astype(a.dtype)
+        for g, a in zip(grads, floating, strict=True)
       ]
-    else:
-      kept_like = microbatch
+      return _with_float0(grads, like)
 
-    def keep(params, inputs):
-      outputs, leaves = vjp_residuals(params, inputs)
-      kept = [r for r, d in zip(leaves, per_microbatch, strict=True) if d]
-      return outputs, _collective.cast_varying(kept, everywhere)
+    def zeros(like):
+      floats = [jnp.zeros(a.shape, a.dtype) for a in _floats(like)]
+      return _with_float0(floats, like)
 
-    # Cotangents travel as lists of their floating leaves; integer leaves of
-    # the activations (e.g. token ids passed along) have float0 cotangents.
-    def backward(params, kept, cotangent):
-      if remat:
-        _, vjp = jax.vjp(stage_fn, params, kept)
-      else:
-        kept_leaves, shared_leaves = iter(kept), iter(shared)
-        leaves = [next(kept_leaves if d else shared_leaves) for d in per_microbatch]
-        vjp = jax.tree.unflatten(treedef[0], leaves)
-      param_grads, input_grads = vjp(_with_float0(cotangent, microbatch))
-      return _inexact(param_grads), _inexact(input_grads)
-
-    def tick(carry, t):
-      received, cotangent_received, ring, grads = carry
-      # Forward of micro-batch t - s.
-      index = t - stage
-      inputs = _select(first, _take(xs, clip(index)), received)
-      if remat:
-        # The last stage's output goes nowhere; its backward recomputes it.
-        outputs = jax.lax.cond(
-          _in_range(index, num_microbatches) & ~last,
-          lambda p, a: stage_fn(p, a),
-          lambda p, a: a,
-          params,
-          inputs,
-        )
-        kept = inputs
-      else:
-        outputs, kept = jax.lax.cond(
-          _in_range(index, num_microbatches),
-          keep,
-          lambda p, a: (a, kept_like),
-          params,
-          inputs,
-        )
-      # A slot is reused only after the backward that needed it (see above).
-      ring = jax.tree.map(
-        lambda r, a: jax.lax.dynamic_update_index_in_dim(r, a, index % num_slots, 0),
-        ring,
-        kept,
-      )
-      # Backward of micro-batch t - lag.
-      index = t - lag
-      cotangent = _select(
-        last, _take(output_cotangents, clip(index)), cotangent_received
-      )
-      param_grads, input_grads = jax.lax.cond(
-        _in_range(index, num_microbatches),
-        backward,
-        lambda p, k, c: (_zeros_like(_inexact(p)), _zeros_like(c)),
-        params,
-        _take(ring, index % num_slots),
-        cotangent,
-      )
-      grads = jax.tree.map(jnp.add, grads, param_grads)
-      carry = (
-        _shift(outputs, axis, num_stages, 1),
-        _shift(input_grads, axis, num_stages, -1),
-        ring,
-        grads,
-      )
-      return carry, input_grads
-
-    ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_slots, *a.shape)), kept_like)
-    ring = _collective.match_varying(ring, kept_like)
-    output_cotangents = _inexact(output_cotangents)
-    carry = (
-      microbatch,
-      _zeros_like(_inexact(microbatch)),
-      ring,
-      _zeros_like(_inexact(params)),
+    cotangent = _Args(
+      *(scaled(g, a) for g, a in zip(grads, like[:5], strict=True)),
+      key=zeros(like.key),
+      state=zeros(like.state),
     )
-    ticks = jnp.arange(num_microbatches + 2 * num_stages - 2)
-    (_, _, _, grads), input_grads = jax.lax.scan(tick, carry, ticks)
-    # Stage 0 finishes micro-batch k's backward at tick k + 2S - 2.
-    input_grads = [
-      jnp.where(first, g[2 * num_stages - 2 :], jnp.zeros_like(g[:1]))
-      for g in input_grads
-    ]
-    return _with_float0(grads, params), _with_float0(input_grads, xs)
+    return (cotangent,)
 
   run.defvjp(run_fwd, run_bwd)
-  return run(params, xs)
+  return run(args)
 
 
-def _inexact(tree: Any) -> list[Any]:
-  """The leaves of `tree` that carry cotangents: the floating ones."""
-  return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+class _Accumulators(NamedTuple):
+  """1F1B's sums over micro-batches, each floating leaf in `accum_dtype` or wider.
+
+  `x` and `targets` are the input cotangents, one slot per micro-batch.
+  """
+
+  loss: jax.Array
+  params: list[Any]
+  stage_consts: list[Any]
+  head_consts: list[Any]
+  x: list[Any]
+  targets: list[Any]
 
 
-def _with_float0(inexact: list[Any], like: Any) -> Any:
-  """`like`'s tree with `inexact` at its floating leaves, float0 zeros elsewhere."""
-  values = iter(inexact)
-  return jax.tree.map(
-    lambda x: (
-      next(values)
-      if jnp.issubdtype(x.dtype, jnp.inexact)
-      else np.zeros(x.shape, jax.dtypes.float0)
-    ),
-    like,
+def _one_f_one_b_loop(
+  layout: _Layout, stage: _Traced, head: _Traced, param_dtypes: Any, args: _Args
+) -> tuple[jax.Array, Any, tuple[list[Any], ...]]:
+  """The 1F1B loop on one device: its share of the loss, its state, and its
+  share of the gradients of `_Args`' first five fields (their floating leaves).
+
+  In each tick a device runs the forward of one micro-batch through one of
+  its chunks and the backward of another (`_Ticks`). The device holding the
+  last stage runs `loss_fn` and its gradient right after that stage's
+  forward, and the backward in the same tick; any other stage runs a
+  micro-batch's backward 2(L − 1 − l) ticks after its forward, from what the
+  forward kept in a ring of slots: the residuals of `jax.vjp`, or with
+  `remat` the stage's input and state, from which it recomputes them.
+  """
+  ticks = layout.ticks
+  S, V, K = ticks.num_stages, ticks.num_chunks, ticks.num_microbatches
+  device = jax.lax.axis_index(layout.axis)
+  params, state = args.params, args.state
+  consts, head_consts = args.stage_consts, args.head_consts
+  key = layout.wrap_key(args.key)
+  xs, targets = _split(args.x, K), _split(args.targets, K)
+  first_input = _take(xs, jnp.int32(0))
+  widen = lambda leaves: [g.astype(layout.accum_dtype(g.dtype)) for g in leaves]
+
+  def vjp(params, x, key, state):
+    f = lambda p, c, x: stage(c, p, x, key, state)
+    return jax.vjp(f, _cast(params, param_dtypes), consts, x, has_aux=True)
+
+  # Without remat the ring keeps the residuals of `jax.vjp`: the function it
+  # returns is a pytree whose leaves are its residuals. Those computed from
+  # the parameters and constants alone (the weights, their transposes) are
+  # the same for every micro-batch of a chunk: they are computed before the
+  # loop, once per chunk, and kept once.
+  treedef: list[Any] = [None]
+
+  def residuals(params, x, key, state):
+    y, fn, new_state = vjp(params, x, key, state)
+    leaves, treedef[0] = jax.tree.flatten(fn)
+    return y, new_state, leaves
+
+  zero = jnp.int32(0)
+  example = (
+    _take_chunk(params, zero, V),
+    first_input,
+    layout.key(key, zero, zero),
+    _take_chunk(state, zero, V),
   )
+  shared: list[Any] = []
+  per_microbatch: list[bool] = []
+  if layout.remat:
+    kept_like: Any = (first_input, example[3])
+  else:
+    per_microbatch = _depends_on_inputs(lambda *a: residuals(*a)[2], example, 1)
+    by_chunk = [residuals(_take_chunk(params, v, V), *example[1:])[2] for v in range(V)]
+    shared = [
+      jnp.stack([leaves[i] for leaves in by_chunk])
+      for i, depends in enumerate(per_microbatch)
+      if not depends
+    ]
+    kept_like = [r for r, d in zip(by_chunk[0], per_microbatch, strict=True) if d]
+
+  def forward(params, x, key, state):
+    if layout.remat:
+      y, new_state = stage(consts, _cast(params, param_dtypes), x, key, state)
+      return y, new_state, (x, state)
+    y, new_state, leaves = residuals(params, x, key, state)
+    return y, new_state, [r for r, d in zip(leaves, per_microbatch, strict=True) if d]
+
+  def idle_forward(params, x, key, state):
+    return x, state, jax.tree.map(jnp.zeros_like, kept_like)
+
+  # Cotangents travel as lists of their floating leaves; integer leaves of
+  # the activations (token ids passed along) have float0 cotangents. The
+  # gradients are added to the sums inside the branch: an idle tick leaves
+  # them as they are, and no gradient-sized result leaves the `cond`.
+  def backward(params, kept, shared_leaves, key, cotangent, chunk, sums):
+    if layout.remat:
+      x, state = kept
+      fn = vjp(params, x, key, state)[1]
+    else:
+      kept_leaves, shared_iter = iter(kept), iter(shared_leaves)
+      leaves = [next(kept_leaves if d else shared_iter) for d in per_microbatch]
+      fn = jax.tree.unflatten(treedef[0], leaves)
+    param_grads, const_grads, input_grads = fn(_with_float0(cotangent, first_input))
+    param_sums, const_sums = sums
+    sums = (
+      _add_chunk(param_sums, chunk, _floats(param_grads), V),
+      [
+        a + g.astype(a.dtype)
+        for a, g in zip(const_sums, _floats(const_grads), strict=True)
+      ],
+    )
+    return sums, _floats(input_grads)
+
+  def idle_backward(params, kept, shared_leaves, key, cotangent, chunk, sums):
+    return sums, [jnp.zeros_like(a) for a in cotangent]
+
+  loss_dtype = layout.accum_dtype(head.out_dtype)
+
+  def head_grads(head_consts, y, targets):
+    value, fn = jax.vjp(lambda c, y, t: head(c, y, t), head_consts, y, targets)
+    const_grads, y_grads, target_grads = fn(jnp.ones((), head.out_dtype))
+    grads = _floats(y_grads), widen(_floats(const_grads)), _floats(target_grads)
+    return value.astype(loss_dtype), *grads
+
+  def idle_head(head_consts, y, targets):
+    zeros = _zeros
+    grads = (
+      zeros(_floats(y)),
+      zeros(widen(_floats(head_consts))),
+      zeros(_floats(targets)),
+    )
+    return jnp.zeros((), loss_dtype), *grads
+
+  sizes = ticks.ring_sizes()
+  offsets = jnp.array(np.cumsum((0, *sizes[:-1])), jnp.int32)
+  modulus = jnp.array(sizes, jnp.int32)
+  slot = lambda microbatch, chunk: offsets[chunk] + microbatch % modulus[chunk]
+
+  def tick(carry, t):
+    received, cotangent_received, ring, state, acc = carry
+    # Forward of micro-batch kf through chunk vf; what the backward needs
+    # goes into the ring (an idle forward writes zeros where a micro-batch
+    # after the last would go).
+    kf, vf, forward_on = ticks.forward(t, device)
+    ring_slot = slot(kf, vf)
+    kf = jnp.clip(kf, 0, K - 1)
+    inputs = _select((device == 0) & (vf == 0), _take(xs, kf), received)
+    old_state = _stop(_take_chunk(state, vf, V))
+    y, new_state, kept = jax.lax.cond(
+      forward_on,
+      forward,
+      idle_forward,
+      _take_chunk(params, vf, V),
+      inputs,
+      layout.key(key, kf, vf),
+      old_state,
+    )
+    state = _put_chunk(state, vf, _stop(new_state), V)
+    ring = jax.tree.map(
+      lambda r, a: jax.lax.dynamic_update_index_in_dim(r, a, ring_slot, 0), ring, kept
+    )
+    # On the last stage, the loss and its gradient right after the forward.
+    end = forward_on & (device == S - 1) & (vf == V - 1)
+    microbatch_targets = _take(targets, kf)
+    value, y_grads, head_const_grads, target_grads = jax.lax.cond(
+      end, head_grads, idle_head, head_consts, y, microbatch_targets
+    )
+    # Backward of micro-batch kb through chunk vb, from its ring slot (on
+    # the last stage, the one this tick's forward just wrote).
+    kb, vb, backward_on = ticks.backward(t, device)
+    same_tick = (device == S - 1) & (vb == V - 1)
+    kept_b = _take(ring, slot(kb, vb))
+    kb = jnp.clip(kb, 0, K - 1)
+    sums, input_grads = jax.lax.cond(
+      backward_on,
+      backward,
+      idle_backward,
+      _take_chunk(params, vb, V),
+      kept_b,
+      _take_chunk(shared, vb, V),
+      layout.key(key, kb, vb),
+      _select(same_tick, y_grads, cotangent_received),
+      vb,
+      (acc.params, acc.stage_consts),
+    )
+    first = backward_on & (device == 0) & (vb == 0)
+    acc = _Accumulators(
+      loss=acc.loss + value,
+      params=sums[0],
+      stage_consts=sums[1],
+      head_consts=jax.tree.map(jnp.add, acc.head_consts, head_const_grads),
+      x=_put(acc.x, kb, input_grads, first),
+      targets=_put(acc.targets, kf, target_grads, end),
+    )
+    sends = (_shift(y, layout, +1), _shift(input_grads, layout, -1))
+    return (*sends, ring, state, acc), None
+
+  zeros = _zeros
+  ring = jax.tree.map(lambda a: jnp.zeros((sum(sizes), *a.shape), a.dtype), kept_like)
+  acc = _Accumulators(
+    loss=jnp.zeros((), loss_dtype),
+    params=zeros(widen(_floats(params))),
+    stage_consts=zeros(widen(_floats(consts))),
+    head_consts=zeros(widen(_floats(head_consts))),
+    x=zeros(_floats(xs)),
+    targets=zeros(_floats(targets)),
+  )
+  carry = (first_input, zeros(_floats(first_input)), ring, state, acc)
+  steps = jnp.arange(ticks.num_1f1b_ticks)
+  (*_, state, acc), _ = jax.lax.scan(tick, carry, steps)
+  # Only the first stage wrote input cotangents, only the last target ones.
+  grads = (
+    acc.params,
+    acc.stage_consts,
+    acc.head_consts,
+    [_unsplit(g) for g in acc.x],
+    [_unsplit(g) for g in acc.targets],
+  )
+  return acc.loss.astype(head.out_dtype), state, grads
 
 
 def _depends_on_inputs(
-  fn: Callable[[Any, Any], Any], params: Any, inputs: Any
+  fn: Callable[..., Any], example: tuple[Any, ...], num_fixed: int
 ) -> list[bool]:
-  """For each leaf of `fn(params, inputs)`: does it depend on `inputs`?"""
-  jaxpr = jax.make_jaxpr(fn)(params, inputs).jaxpr
-  dependent = set(jaxpr.invars[len(jax.tree.leaves(params)) :])
+  """For each leaf of `fn(*example)`: does it depend on `example[num_fixed:]`?"""
+  jaxpr = jax.make_jaxpr(fn)(*example).jaxpr
+  fixed = len(jax.tree.leaves(example[:num_fixed]))
+  dependent = set(jaxpr.invars[fixed:])
   for eqn in jaxpr.eqns:
     if any(isinstance(v, Var) and v in dependent for v in eqn.invars):
       dependent.update(eqn.outvars)
   return [isinstance(v, Var) and v in dependent for v in jaxpr.outvars]
 
 
-# --- checks, at trace time ----------------------------------------------------
+# --- across devices -------------------------------------------------------------
 
 
-def _check_stage_params(stage_params: Any, num_stages: int, axis: str) -> None:
-  leaves = jax.tree_util.tree_flatten_with_path(stage_params)[0]
-  if not leaves:
+def _batch_spec(layout: _Layout) -> P:
+  return P(layout.data_axes) if layout.data_axes else P()
+
+
+def _specs(layout: _Layout) -> tuple[P, ...]:
+  """`shard_map`'s specs for `(params, x, targets, key, state)`."""
+  batch, stages = _batch_spec(layout), P(None, layout.axis)
+  return (stages, batch, batch, P(), stages)
+
+
+def _placed(
+  mesh: Any, specs: tuple[P, ...], inputs: tuple[Any, ...]
+) -> tuple[Any, ...]:
+  """`inputs` moved where `shard_map` over explicit axes takes them."""
+  if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return inputs
+  return tuple(
+    jax.tree.map(
+      lambda a, s=spec: jax.sharding.reshard(a, jax.NamedSharding(mesh, s)), tree
+    )
+    for tree, spec in zip(inputs, specs, strict=True)
+  )
+
+
+def _shift(tree: Any, layout: _Layout, step: int) -> Any:
+  """Sends every device's `tree` to device s + step: round the ring with V > 1."""
+  S = layout.ticks.num_stages
+  if layout.ticks.num_chunks > 1:
+    pairs = [(s, (s + step) % S) for s in range(S)]
+  else:
+    pairs = [(s, s + step) for s in range(S) if 0 <= s + step < S]
+  return jax.lax.ppermute(tree, layout.axis, pairs)
+
+
+def _from_last_stage(layout: _Layout, outputs: Any) -> Any:
+  """The last stage's `outputs` on every stage (zeros elsewhere, so a psum).
+
+  Booleans go through int32, the dtype psum gives them, and come back bool.
+  """
+
+  def broadcast(y):
+    summed = jax.lax.psum(
+      y.astype(jnp.int32) if y.dtype == jnp.bool_ else y, layout.axis
+    )
+    return summed.astype(y.dtype)
+
+  return jax.tree.map(broadcast, outputs)
+
+
+def _combine_state(layout: _Layout, state: Any) -> Any:
+  """One state from each data shard's: floating leaves averaged, others the first's."""
+  if not layout.data_axes:
+    return state
+  axes = layout.data_axes
+  first = jax.lax.axis_index(axes) == 0
+
+  def combine(x):
+    if _is_float(x.dtype):
+      return jax.lax.pmean(x, axes)
+    is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    data = jax.random.key_data(x) if is_key else x
+    wide = data.astype(jnp.int32) if data.dtype == jnp.bool_ else data
+    summed = jax.lax.psum(jnp.where(first, wide, jnp.zeros_like(wide)), axes)
+    summed = summed.astype(data.dtype)
+    return (
+      jax.random.wrap_key_data(summed, impl=jax.random.key_impl(x))
+      if is_key
+      else summed
+    )
+
+  return jax.tree.map(combine, state)
+
+
+# --- trees ----------------------------------------------------------------------
+
+
+def _is_float(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _dtype(x: Any) -> np.dtype:
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.result_type(x))
+
+
+def _floats(tree: Any) -> list[Any]:
+  """The leaves of `tree` that carry cotangents: the floating ones."""
+  return [x for x in jax.tree.leaves(tree) if _is_float(_dtype(x))]
+
+
+def _with_float0(floats: Sequence[Any], like: Any) -> Any:
+  """`like`'s tree with `floats` at its floating leaves, float0 zeros elsewhere."""
+  values = iter(floats)
+  return jax.tree.map(
+    lambda x: (
+      next(values)
+      if _is_float(_dtype(x))
+      else np.zeros(jnp.shape(x), jax.dtypes.float0)
+    ),
+    like,
+  )
+
+
+def _zeros(leaves: Sequence[Any]) -> list[Any]:
+  """Zeros like each leaf, laid out by the context: a value closed over keeps
+  the layout of the mesh outside `shard_map`, which `zeros_like` would copy."""
+  return [jnp.zeros(jnp.shape(a), _dtype(a)) for a in leaves]
+
+
+def _cast(tree: Any, dtypes: Any) -> Any:
+  return jax.tree.map(lambda a, d: a.astype(d), tree, dtypes)
+
+
+def _stop(tree: Any) -> Any:
+  return jax.tree.map(jax.lax.stop_gradient, tree)
+
+
+def _take(tree: Any, index: Any) -> Any:
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, False), tree)
+
+
+def _put(tree: Any, index: Any, values: Any, where: Any) -> Any:
+  """`tree[index] = values` where `where`, else unchanged."""
+
+  def put(a, value):
+    value = jnp.where(where, value, jax.lax.dynamic_index_in_dim(a, index, 0, False))
+    return jax.lax.dynamic_update_index_in_dim(a, value, index, 0)
+
+  return jax.tree.map(put, tree, values)
+
+
+def _select(pred: Any, on_true: Any, on_false: Any) -> Any:
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _take_chunk(tree: Any, chunk: Any, num_chunks: int) -> Any:
+  """Chunk `chunk` of a `[V, ...]` tree (static with V = 1)."""
+  if num_chunks == 1:
+    return jax.tree.map(lambda a: a[0], tree)
+  return _take(tree, chunk)
+
+
+def _put_chunk(tree: Any, chunk: Any, values: Any, num_chunks: int) -> Any:
+  if num_chunks == 1:
+    return jax.tree.map(lambda v: v[None], values)
+  return jax.tree.map(
+    lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, chunk, 0), tree, values
+  )
+
+
+def _add_chunk(
+  acc: list[Any], chunk: Any, values: list[Any], num_chunks: int
+) -> list[Any]:
+  """`acc[chunk] += values`, each value cast to its sum's dtype."""
+  if num_chunks == 1:
+    return [a + v[None].astype(a.dtype) for a, v in zip(acc, values, strict=True)]
+  return [a.at[chunk].add(v.astype(a.dtype)) for a, v in zip(acc, values, strict=True)]
+
+
+def _local_chunks(tree: Any) -> Any:
+  """`[V, 1, ...]` (a device's share of `[V, S, ...]`) as `[V, ...]`."""
+  return jax.tree.map(lambda a: a[:, 0], tree)
+
+
+def _device_chunks(tree: Any) -> Any:
+  """`[V, ...]` as `[V, 1, ...]`, a device's share of `[V, S, ...]`."""
+  return jax.tree.map(lambda a: a[:, None], tree)
+
+
+def _split(tree: Any, num_microbatches: int) -> Any:
+  return jax.tree.map(
+    lambda a: a.reshape(num_microbatches, a.shape[0] // num_microbatches, *a.shape[1:]),
+    tree,
+  )
+
+
+def _unsplit(tree: Any) -> Any:
+  return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
+
+
+def _stack_chunks(tree: Any, name: str, ticks: _Ticks, axis: str) -> Any:
+  """`tree` with leading `[V, S]` (a `[S]` tree gets a leading 1), or raises."""
+  S, V = ticks.num_stages, ticks.num_chunks
+  lead = (S,) if V == 1 else (V, S)
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if not leaves and name == "stage_params":
     raise ValueError("stage_params holds no arrays.")
   for path, leaf in leaves:
-    where = "stage_params" + jax.tree_util.keystr(path)
+    where = name + jax.tree_util.keystr(path)
     shape = getattr(leaf, "shape", None)
     if shape is None or not hasattr(leaf, "dtype"):
       raise TypeError(f"{where} must be an array, got {type(leaf).__name__}.")
-    if not shape or shape[0] != num_stages:
-      found = shape[0] if shape else "none (a scalar)"
+    if tuple(shape[: len(lead)]) != lead:
+      if V == 1:
+        found = shape[0] if shape else "none (a scalar)"
+        raise ValueError(
+          f"{where} has shape {tuple(shape)}: its leading size {found} must be "
+          f"the number of stages, the size {S} of mesh axis {axis!r}. Stack "
+          "the S stages' leaves on a leading axis."
+        )
       raise ValueError(
-        f"{where} has shape {tuple(shape)}: its leading size {found} must be "
-        f"the number of stages, the size {num_stages} of mesh axis {axis!r}. "
-        "Stack the S stages' parameters on a leading axis."
+        f"{where} has shape {tuple(shape)}: with num_virtual_stages={V} its "
+        f"leading sizes must be (V, S) = {lead}, stage v·S + s at [v, s] (S "
+        f"is the size of mesh axis {axis!r})."
       )
+  return tree if V > 1 else jax.tree.map(lambda a: a[None], tree)
+
+
+def _unstack_chunks(tree: Any, ticks: _Ticks) -> Any:
+  return tree if ticks.num_chunks > 1 else jax.tree.map(lambda a: a[0], tree)
+
+
+# --- checks, at trace time ----------------------------------------------------
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+  try:
+    number = operator.index(value)
+  except TypeError:
+    number = None
+  if number is None or isinstance(value, bool | np.bool_) or number < 1:
+    raise TypeError(f"{name} must be a positive int, got {value!r}.")
+  return number
+
+
+def _check_axes(
+  mesh: Any, axis: str, data_axes: str | Sequence[str]
+) -> tuple[str, ...]:
+  names = tuple(mesh.axis_names)
+  if axis not in names:
+    raise ValueError(
+      f"axis={axis!r} is not an axis of the mesh, whose axes are {names}; "
+      f"pass axis= one of them, or build the mesh with a {axis!r} axis."
+    )
+  data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+  for name in data_axes:
+    if name not in names or name == axis or data_axes.count(name) > 1:
+      raise ValueError(
+        f"data_axes={data_axes!r} must name distinct mesh axes other than "
+        f"axis={axis!r}; the mesh's axes are {names}."
+      )
+  for name in names:
+    if name != axis and name not in data_axes and mesh.shape[name] > 1:
+      raise ValueError(
+        f"mesh axis {name!r} (size {mesh.shape[name]}) is neither axis="
+        f"{axis!r}, which holds the stages, nor one of data_axes={data_axes}, "
+        f"which shard the batch. Pass data_axes=({name!r}, ...) to shard the "
+        "batch over it. A stage cannot be split over a mesh axis (tensor "
+        "parallelism); build the mesh without it."
+      )
+  return data_axes
+
+
+def _check_key(rng: Any) -> tuple[jax.Array, Any]:
+  """The key as data (uint32), and its implementation (None for a raw key)."""
+  dtype = getattr(rng, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(rng), jax.random.key_impl(rng)
+  if dtype == jnp.uint32:
+    return rng, None
+  raise TypeError(
+    f"rng must be a PRNG key (jax.random.key(seed)), got {type(rng).__name__} "
+    f"of dtype {dtype}."
+  )
 
 
 def _check_batch(
-  x: Any, num_microbatches: int, num_shards: int, batch_axes: tuple[str, ...]
+  batch: dict[str, Any],
+  num_microbatches: int,
+  num_shards: int,
+  data_axes: tuple[str, ...],
 ) -> int:
-  leaves = jax.tree_util.tree_flatten_with_path(x)[0]
-  if not leaves:
-    raise ValueError("x holds no arrays.")
   first = None
-  for path, leaf in leaves:
-    where = "x" + jax.tree_util.keystr(path)
-    shape = getattr(leaf, "shape", None)
-    if not shape:
-      raise TypeError(f"{where} must be an array with a leading batch axis.")
-    if first is None:
-      first = (where, shape[0])
-    elif shape[0] != first[1]:
-      raise ValueError(
-        f"x's leaves must share one batch size: {first[0]} has {first[1]} rows "
-        f"but {where} has {shape[0]}."
-      )
-  assert first is not None
+  for name, tree in batch.items():
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      where = name + jax.tree_util.keystr(path)
+      shape = getattr(leaf, "shape", None)
+      if not shape:
+        raise TypeError(f"{where} must be an array with a leading batch axis.")
+      if first is None:
+        first = (where, shape[0])
+      elif shape[0] != first[1]:
+        raise ValueError(
+          f"x's and targets' leaves must share one batch size: {first[0]} has "
+          f"{first[1]} rows but {where} has {shape[0]}."
+        )
+  if first is None:
+    raise ValueError("x holds no arrays.")
   where, batch_size = first
   per_step = num_shards * num_microbatches
   if batch_size % per_step:
     raise ValueError(
       f"batch_size={batch_size} (of {where}) must be divisible by data shards × "
       f"num_microbatches = {num_shards} × {num_microbatches} = {per_step} (the "
-      f"data shards are the mesh axes {batch_axes}); pad the batch or pick a "
-      "K that divides it."
+      f"data shards are the mesh axes {data_axes}); pad the batch or pick a K "
+      "that divides it."
     )
   return batch_size
 
@@ -485,7 +1262,6 @@ def _check_stage_output(inputs: Any, outputs: Any) -> None:
     )
   flat_inputs = jax.tree_util.tree_flatten_with_path(inputs)[0]
   for (path, a), b in zip(flat_inputs, jax.tree.leaves(outputs), strict=True):
-    a, b = jax.typeof(a), jax.typeof(b)
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise ValueError(
         "stage_fn must return its input's shape and dtype, as the next stage "
@@ -495,9 +1271,18 @@ def _check_stage_output(inputs: Any, outputs: Any) -> None:
       )
 
 
-def _any_explicit(mesh: Any) -> bool:
-  return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
-
-def _reshard(tree: Any, sharding: jax.sharding.NamedSharding) -> Any:
-  return jax.tree.map(lambda a: jax.sharding.reshard(a, sharding), tree)
+def _check_new_state(state: Any, new_state: Any) -> None:
+  """`stage_fn`'s new state must be like the state it got."""
+  if jax.tree.structure(new_state) != jax.tree.structure(state):
+    raise ValueError(
+      "stage_fn must return a new state with its state's structure: got "
+      f"{jax.tree.structure(state)}, returned {jax.tree.structure(new_state)}."
+    )
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  for (path, a), b in zip(flat, jax.tree.leaves(new_state), strict=True):
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+      raise ValueError(
+        f"stage_fn must return a new state like its state: state"
+        f"{jax.tree_util.keystr(path)} is {a.dtype.name}{list(a.shape)} but the "
+        f"new one is {b.dtype.name}{list(b.shape)}."
+      )
