@@ -20,6 +20,10 @@ Parts, run in this order (`--parts` picks some):
   grows, float32 and bfloat16.
 * `distributed` (`distributed.py`, its own process): collectives inside and
   outside the loop and step time on 8 simulated CPU devices.
+* `fsdp` (`fsdp.py`, its own process): each `data_parallel` FSDP mode's
+  temporaries per device, bytes on the wire per step and CPU step time.
+* `reduction` (`reduction.py`, its own process): the reduction after the loop
+  per option (float32, overlap, bf16 on the wire, PowerSGD), and bf16's error.
 * `pipeline` (`pipeline.py`, its own process): `jaccum.pipeline`'s schedules
   on 4 simulated CPU devices: temporaries against K, FLOPs per tick, the
   bubble with interleaved stages, the head's FLOPs.
@@ -34,7 +38,9 @@ Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`
 * `python -m benchmarks.profile_loop_ops`: ops a loop body runs slower than
   the same ops unrolled;
 * `python -m benchmarks.pipeline`: the suite's `pipeline` part on its own,
-  writing `results/pipeline.json` and `pipeline.md`.
+  writing `results/pipeline.json` and `pipeline.md`;
+* `python -m benchmarks.num_real`: a traced number of real micro-batches
+  against a static K of that number.
 
 Importing this package starts nothing: JAX is configured by the part that
 runs, so the distributed part can set its device count in its own process.
