@@ -100,7 +100,7 @@ class PowerSGD:
 
     Args:
       grads_like: a tree shaped like the gradients (the params), arrays or
-        `jax.ShapeDtypeStruct`s.
+        `jax.ShapeDtypeStruct` values.
       num_devices: the devices of the reduction's axes: each leaf gets a
         leading axis of that many rows.
     """
