@@ -8,6 +8,7 @@ from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 from jaccum._pipeline import pipeline
+from jaccum._plan import CostModel, Plan, PlanPoint, Remat, fit_plan
 from jaccum._powersgd import PowerSGD, PowerSGDState
 from jaccum._schedule import (
   BatchSchedule,
@@ -23,16 +24,21 @@ __all__ = [
   "BatchSchedule",
   "BatchSizeController",
   "BatchSizeControllerState",
+  "CostModel",
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",
   "NoiseScaleEMA",
   "NoiseScaleEMAState",
+  "Plan",
+  "PlanPoint",
   "PowerSGD",
   "PowerSGDState",
+  "Remat",
   "accumulate",
   "data_parallel",
   "fit_microbatches",
+  "fit_plan",
   "fit_train_step",
   "pipeline",
   "split_microbatches",

@@ -312,6 +312,57 @@ def _no_fit_message(stats: dict[int, MemoryStats], budget: int) -> str:
   )
 
 
+def _prepare(
+  grad_fn: Callable[..., Any],
+  args: Sequence[Any],
+  candidates: Iterable[int] | None,
+  accumulate_kwargs: dict[str, Any],
+) -> tuple[Callable[..., Any], list[int], int]:
+  """The transform to fit, the checked candidates, and the devices per batch.
+
+  The transform is `data_parallel` where any of its options is given, else
+  `accumulate`; candidates default to the divisors of the rows per device.
+  """
+  parallel = any(name in accumulate_kwargs for name in _PARALLEL_OPTIONS)
+  transform = data_parallel if parallel else accumulate
+  transform(grad_fn, 1, **accumulate_kwargs)  # Checks the options, compiles nothing.
+  batch_argnums = accumulate_kwargs.get("batch_argnums", 1)
+  batch_size = _batch_size(args, batch_argnums)
+  if batch_size == 0:
+    raise ValueError(
+      f"the batch (args[{batch_argnums}]) has 0 rows: there is nothing to split "
+      "into micro-batches; pass a batch with at least one row."
+    )
+  what = f"the batch size {batch_size}"
+  argnum = batch_argnums if _is_int(batch_argnums) else batch_argnums[0]
+  # A batch sharded over explicit mesh axes makes plain accumulate loop on
+  # every device over its rows too: K then divides the rows per device.
+  shards = (
+    _num_shards(accumulate_kwargs, args, argnum)
+    if parallel
+    else _explicit_shards(args[argnum])
+  )
+  if shards > 1:
+    if batch_size % shards:
+      raise ValueError(
+        f"the batch size {batch_size} must be divisible by the {shards} devices "
+        "it is split over."
+      )
+    what = f"the per-device batch size {batch_size // shards} ({batch_size} rows"
+    what += f" over {shards} devices)"
+    batch_size //= shards
+  candidates = _check_candidates(candidates, batch_size, what)
+  if accumulate_kwargs.get("return_stats") and shards == 1 and 1 in candidates:
+    # The noise scale needs two batch sizes: K = 1 on one device has one.
+    if candidates == [1]:
+      raise ValueError(
+        "return_stats=True needs K >= 2 on one device (two batch sizes), and the "
+        f"only candidate is K=1: {what} has no other divisor."
+      )
+    candidates = [k for k in candidates if k != 1]
+  return transform, candidates, shards
+
+
 def fit_microbatches(
   grad_fn: Callable[..., Any],
   *args: Any,
@@ -366,44 +417,8 @@ def fit_microbatches(
     >>> fit.num_microbatches, fit.peak_bytes <= 2**20
     (8, True)
   """
-  parallel = any(name in accumulate_kwargs for name in _PARALLEL_OPTIONS)
-  transform = data_parallel if parallel else accumulate
-  transform(grad_fn, 1, **accumulate_kwargs)  # Checks the options, compiles nothing.
   budget = _budget_bytes(memory_budget)
-  batch_argnums = accumulate_kwargs.get("batch_argnums", 1)
-  batch_size = _batch_size(args, batch_argnums)
-  if batch_size == 0:
-    raise ValueError(
-      f"the batch (args[{batch_argnums}]) has 0 rows: there is nothing to split "
-      "into micro-batches; pass a batch with at least one row."
-    )
-  what = f"the batch size {batch_size}"
-  argnum = batch_argnums if _is_int(batch_argnums) else batch_argnums[0]
-  # A batch sharded over explicit mesh axes makes plain accumulate loop on
-  # every device over its rows too: K then divides the rows per device.
-  shards = (
-    _num_shards(accumulate_kwargs, args, argnum)
-    if parallel
-    else _explicit_shards(args[argnum])
-  )
-  if shards > 1:
-    if batch_size % shards:
-      raise ValueError(
-        f"the batch size {batch_size} must be divisible by the {shards} devices "
-        "it is split over."
-      )
-    what = f"the per-device batch size {batch_size // shards} ({batch_size} rows"
-    what += f" over {shards} devices)"
-    batch_size //= shards
-  candidates = _check_candidates(candidates, batch_size, what)
-  if accumulate_kwargs.get("return_stats") and shards == 1 and 1 in candidates:
-    # The noise scale needs two batch sizes: K = 1 on one device has one.
-    if candidates == [1]:
-      raise ValueError(
-        "return_stats=True needs K >= 2 on one device (two batch sizes), and the "
-        f"only candidate is K=1: {what} has no other divisor."
-      )
-    candidates = [k for k in candidates if k != 1]
+  transform, candidates, _ = _prepare(grad_fn, args, candidates, accumulate_kwargs)
   return _search(
     lambda k: jax.jit(transform(grad_fn, k, **accumulate_kwargs)),
     args,
