@@ -158,6 +158,8 @@ def accumulate(
       of the micro-step in the program (compile time still flat in K).
       False by default: no accelerator was at hand to measure the gain, and on
       CPU there is nothing to hide behind (see the data-parallel guide).
+      Not with `num_real_microbatches` (which micro-batch runs last is then
+      known only at run time): that call raises a ValueError.
     reduce_dtype: the dtype the one reduction after the loop sends (e.g.
       `jnp.bfloat16`: half the bytes of float32): each device's accumulator
       is cast for it and summed back into its own dtype, so only the reduced

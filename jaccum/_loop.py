@@ -277,6 +277,18 @@ def scan(
       traced or not, checked by `check_num_real`); None runs all K.
   """
   num_microbatches, split = config.num_microbatches, config.split
+  if num_real is not None and config.overlap_reduction:
+    # With a count, which micro-batch is last is known only when the step runs
+    # (a while loop runs the first n), so none can be traced after the loop:
+    # refused here rather than silently run without overlap.
+    raise ValueError(
+      "overlap_reduction=True and num_real_microbatches do not combine: "
+      "overlap_reduction runs the last of the K micro-batches after the loop, "
+      "while with num_real_microbatches which one runs last depends on the "
+      "count, known only when the step runs. Pass overlap_reduction=False to "
+      "keep the count, or call without num_real_microbatches (all K "
+      "micro-batches run) to keep the overlap."
+    )
   batch_size = check_batch(
     [args[i] for i in at.batch],
     num_microbatches,

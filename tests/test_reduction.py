@@ -229,21 +229,25 @@ def test_reduce_fn_is_called_once_per_step_with_nothing_in_the_loop():
 
 
 def test_reduce_fn_gets_shares_that_sum_to_the_weighted_mean():
-  """With weight_fn, each device's share is its weighted sum over the total."""
+  """With weight_fn, each device's share is its weighted sum over the total.
+
+  The shares leave the step through `reduce_state` (one row per device), and
+  each is checked against the gradient of that device's rows' token-weighted
+  loss divided by the whole batch's tokens, computed here without jaccum.
+  """
   mesh = mesh_of()
   params = init()
   x, x_sharded = batch(mesh, seed=3)
   tokens = np.random.default_rng(4).integers(0, 6, size=len(x)).astype(np.float32)
 
-  def token_loss(params, x, t):
-    per_row = jnp.mean(jax.vmap(lambda r: loss(params, r[None]))(x).reshape(-1, 1), 1)
-    return jnp.sum(per_row * t) / jnp.maximum(jnp.sum(t), 1)
+  def per_row(params, x):
+    return jax.vmap(lambda r: loss(params, r[None]))(x)
 
-  shares = {}
+  def token_loss(params, x, t):
+    return jnp.sum(per_row(params, x) * t) / jnp.maximum(jnp.sum(t), 1)
 
   def psum(grads, axes, state):
-    shares["got"] = grads
-    return jax.lax.psum(grads, axes), state
+    return jax.lax.psum(grads, axes), {"share": grads}
 
   step = jax.jit(
     jaccum.data_parallel(
@@ -256,8 +260,64 @@ def test_reduce_fn_gets_shares_that_sum_to_the_weighted_mean():
     )
   )
   t_sharded = jax.device_put(tokens, NamedSharding(mesh, P("data")))
-  grads, _ = step(params, x_sharded, t_sharded, reduce_state={})
-  assert_trees_close(grads, jax.grad(token_loss)(params, x, tokens), rtol=1e-5)
+  zeros = {"share": jax.tree.map(lambda p: jnp.zeros((DEVICES, *p.shape)), params)}
+  grads, state = step(params, x_sharded, t_sharded, reduce_state=zeros)
+  exact = jax.grad(token_loss)(params, x, tokens)
+  assert_trees_close(grads, exact, rtol=1e-5)
+  # Device d holds rows d·R..(d+1)·R-1 (the batch is split over "data").
+  rows = len(x) // DEVICES
+  for d in range(DEVICES):
+    mine = slice(d * rows, (d + 1) * rows)
+    want = jax.grad(
+      lambda p, mine=mine: jnp.sum(per_row(p, x[mine]) * tokens[mine]) / tokens.sum()
+    )(params)
+    got = jax.tree.map(lambda s, d=d: s[d], state["share"])
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-8)
+  # And they sum to the weighted mean (in float64 here, then compared as float32).
+  summed = jax.tree.map(
+    lambda s: np.sum(np.asarray(s, np.float64), 0).astype(np.float32), state["share"]
+  )
+  assert_trees_close(summed, exact, rtol=1e-5)
+
+
+def test_overlap_and_a_count_of_real_micro_batches_are_refused_together():
+  """With a count, which micro-batch is last is known only when the step runs.
+
+  overlap_reduction runs the last of the K micro-batches after the loop, so
+  with num_real_microbatches it cannot overlap anything: it is refused when
+  traced, on every route, rather than silently left out.
+  """
+  mesh = mesh_of()
+  params = init()
+  x, x_sharded = batch(mesh)
+  count = jnp.int32(K - 1)
+  refused = "overlap_reduction=True and num_real_microbatches do not combine"
+  step = jax.jit(
+    jaccum.data_parallel(jax.grad(loss), K, mesh=mesh, overlap_reduction=True)
+  )
+  with pytest.raises(ValueError, match=refused):
+    step.lower(params, x_sharded, num_real_microbatches=count)
+  inner = jaccum.accumulate(jax.grad(loss), K, axis_name="data", overlap_reduction=True)
+  in_shard_map = jax.jit(
+    jax.shard_map(
+      lambda p, x, n: inner(p, x, num_real_microbatches=n),
+      mesh=mesh,
+      in_specs=(P(), P("data"), P()),
+      out_specs=P(),
+    )
+  )
+  with pytest.raises(ValueError, match=refused):
+    in_shard_map.lower(params, x_sharded, count)
+  one_device = jaccum.accumulate(jax.grad(loss), K, overlap_reduction=True)
+  with pytest.raises(ValueError, match=refused):
+    one_device(params, x, num_real_microbatches=K)
+  # Either option alone still runs.
+  counted = jax.jit(jaccum.data_parallel(jax.grad(loss), K, mesh=mesh))
+  assert_trees_close(
+    counted(params, x_sharded, num_real_microbatches=jnp.int32(K)),
+    step(params, x_sharded),
+    rtol=1e-5,
+  )
 
 
 def test_powersgd_compresses_and_its_error_feedback_survives_a_checkpoint(tmp_path):
