@@ -95,11 +95,15 @@ def pipeline(
     (with `remat`: 2F + B, and only each tick's stage input). Needs no
     `loss_fn`, and forward mode (`jax.jvp`) works through it. Wins at small
     K, and where the loss cannot run inside the pipeline.
-  - `"1f1b"`: F + B; a device keeps the residuals of at most 2S − 1
-    micro-batches however large K is (stage s needs 2(S − 1 − s) + 1; with
-    `remat`: 2F + B, and only their stage inputs). Needs `loss_fn`; reverse
-    mode only. From K ≈ 2S on: the least compute, or with `remat` the least
-    memory, which does not grow with K.
+  - `"1f1b"`: F + B; a device keeps the residuals of a bounded number of
+    micro-batches however large K is (with `remat`: 2F + B, and only their
+    stage inputs). With V = 1, at most 2S − 1 (stage s needs
+    2(S − 1 − s) + 1). With V > 1, chunk v (stage v·S + s, 1/V of the
+    device's work) keeps 2S for v < (V − 1)/2, 2S − 1 for v = (V − 1)/2 and
+    S for v ≥ V/2: S·⌈3V/2⌉ − (V mod 2) chunk residuals in all (8 + 4 for
+    S = 4, V = 2). Needs `loss_fn`; reverse mode only. From K ≈ 2S on: the
+    least compute, or with `remat` the least memory, which does not grow
+    with K.
 
   In lockstep ticks both take (K + S − 1)(F + B); a stage is idle for the
   bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V` each

@@ -316,6 +316,23 @@ def test_1f1b_keeps_2s_minus_1_microbatches_whatever_k():
   assert _Ticks(NUM_STAGES, 2, 8).ring_sizes() == (8, 4)
 
 
+def test_1f1b_ring_with_interleaved_stages():
+  """With V chunks per device, chunk v's ring holds 2S micro-batches for
+  v < (V − 1)/2, 2S − 1 for v = (V − 1)/2 and S for v ≥ V/2, for any K: the
+  bound the docstring and the guide state."""
+  for num_stages in (1, 2, 3, 4, 5):
+    for num_chunks in (1, 2, 3, 4, 5):
+      s = num_stages
+      expected = tuple(
+        2 * s if 2 * v < num_chunks - 1 else 2 * s - 1 if 2 * v == num_chunks - 1 else s
+        for v in range(num_chunks)
+      )
+      # S·⌈3V/2⌉ − (V mod 2) in all.
+      assert sum(expected) == s * -(-3 * num_chunks // 2) - num_chunks % 2
+      for k in (1, 3, 8, 64):
+        assert _Ticks(num_stages, num_chunks, k).ring_sizes() == expected
+
+
 # --- dtypes ---------------------------------------------------------------------
 
 
@@ -519,7 +536,7 @@ def noisy_stage(params, x, *, rng, state):
   return y, new_state
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+remat", "1f1b+remat", "1f1b×2"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_keys_and_state_match_the_sequential_loop(schedule):
   """Stage l on micro-batch m draws fold_in(fold_in(key, m), l); each stage's
   state advances once per micro-batch (K times, none in the bubble), per data
