@@ -27,6 +27,10 @@ Parts, run in this order (`--parts` picks some):
 * `pipeline` (`pipeline.py`, its own process): `jaccum.pipeline`'s schedules
   on 4 simulated CPU devices: temporaries against K, FLOPs per tick, the
   bubble with interleaved stages, the head's FLOPs.
+* `plan` (`plan.py`): `jaccum.fit_plan`'s choice of K and remat policy
+  against every point of its grid, timed, on an MLP and a digits-sized CNN at
+  three budgets each: the choice's rank, its time against the grid's best and
+  against full remat at the smallest K that fits, and the compilations.
 
 Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`):
 

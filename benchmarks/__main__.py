@@ -1,8 +1,8 @@
 """`python -m benchmarks [--quick] [--parts ...]`: run the suite, write its results.
 
 Writes `suite.json` (every number, with the machine, versions, date and the
-load around each part), `suite.md` (the tables) and the PNG plots of the sweep
-and the convolution part into `benchmarks/results/`
+load around each part), `suite.md` (the tables) and the PNG plots of the
+sweep, the convolution, fsdp and plan parts into `benchmarks/results/`
 (`benchmarks/results/quick/` with `--quick`). A run of some of the parts
 (`--parts`) replaces those in the folder's `suite.json` and keeps the others.
 `--report-only` redraws the tables and plots from an existing `suite.json`.
@@ -85,6 +85,13 @@ def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
   return _in_own_process("pipeline", args)
 
 
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import plan
+
+  # In this process: one device, like the sweep's.
+  return plan.run(args.quick, args.rounds)
+
+
 # name: how to run it. Parts run in this order, one at a time; the processes
 # of the distributed, fsdp, reduction and pipeline parts are waited for
 # before the next part starts.
@@ -98,6 +105,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "fsdp": _fsdp,
   "reduction": _reduction,
   "pipeline": _pipeline,
+  "plan": _plan,
 }
 
 
@@ -112,6 +120,8 @@ def write_report(record: dict[str, Any], out: pathlib.Path) -> None:
     written += plots.plot_conv(record, out)
   if "rows" in record["parts"].get("fsdp", {}):
     written += plots.plot_fsdp(record, out)
+  if "models" in record["parts"].get("plan", {}):
+    written += plots.plot_plan(record, out)
   print("wrote " + ", ".join(str(p) for p in written))
 
 

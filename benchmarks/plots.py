@@ -9,7 +9,10 @@ method) and of the convolution part.
 * `compile_time.png`: XLA compile time within the first step;
 * `first_step.png`: time to first step (trace + compile + first run);
 * `conv.png`: the convolution part's step times against the whole batch, a
-  panel per family, a bar per variant and K, log scale.
+  panel per family, a bar per variant and K, log scale;
+* `fsdp.png`: the fsdp part's temporaries per device against the params' size;
+* `plan.png`: the plan part's predicted against measured step time, a panel
+  per model, a point per grid point, the chosen plans ringed.
 
 Every figure names the machine, the versions and the date underneath.
 """
@@ -17,12 +20,14 @@ Every figure names the machine, the versions and the date underneath.
 from __future__ import annotations
 
 import pathlib
+import textwrap
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib import ticker
 
 from benchmarks import _record
@@ -184,6 +189,87 @@ def plot_fsdp(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
   fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
   fig.tight_layout(rect=(0, 0.05, 1, 1))
   path = out / "fsdp.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return [path]
+
+
+# One colour per remat policy in plan.png, lightest first.
+POLICY_COLORS = {
+  None: "tab:blue",
+  "dots_with_no_batch_dims_saveable": "tab:orange",
+  "nothing_saveable": "tab:red",
+}
+
+
+def plot_plan(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+  """Writes `plan.png`: each grid point's predicted against measured step time."""
+  plan = record["parts"]["plan"]
+  models = plan["models"]
+  fig, axes = plt.subplots(1, len(models), figsize=(5.6 * len(models), 5.2))
+  for ax, model in zip(np.atleast_1d(axes), models, strict=True):
+    rows = model["rows"]
+    for policy in model["policies"]:
+      mine = [r for r in rows if r["remat"] == policy]
+      ax.scatter(
+        [r["predicted_s"] * 1e3 for r in mine],
+        [r["step_s"] * 1e3 for r in mine],
+        color=POLICY_COLORS.get(policy, "tab:grey"),
+        label=policy or "no remat",
+        zorder=3,
+      )
+      for r in mine:
+        ax.annotate(
+          f"K={r['num_microbatches']}",
+          (r["predicted_s"] * 1e3, r["step_s"] * 1e3),
+          textcoords="offset points",
+          xytext=(4, 3),
+          fontsize=7,
+        )
+    # The model's absolute scale is off on a busy machine; its ranking is
+    # what the plan rests on, so the reference is measured = c × predicted.
+    scale = float(np.median([r["step_s"] / r["predicted_s"] for r in rows]))
+    low = min(r["predicted_s"] for r in rows) * 1e3
+    high = max(r["predicted_s"] for r in rows) * 1e3
+    ax.plot(
+      [low, high],
+      [low * scale, high * scale],
+      color="black",
+      linestyle="--",
+      linewidth=1,
+      label=f"measured = {scale:.2g} × predicted",
+    )
+    chosen = {tuple(b["chosen"]) for b in model["budgets"].values()}
+    picked = [r for r in rows if (r["num_microbatches"], r["remat"]) in chosen]
+    ax.scatter(
+      [r["predicted_s"] * 1e3 for r in picked],
+      [r["step_s"] * 1e3 for r in picked],
+      s=160,
+      facecolors="none",
+      edgecolors="black",
+      label="chosen at a budget",
+      zorder=4,
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+      axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+      axis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.tick_params(which="minor", labelsize=7)
+    ax.set_xlabel("predicted step time (ms, fit_plan's cost model)")
+    ax.set_ylabel("measured step time (ms, median)")
+    ax.set_title(
+      textwrap.fill(model["description"], 64)
+      + f"\nbatch {model['batch_size']}; rank correlation {model['spearman']:.2f}",
+      fontsize=9,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle("fit_plan: predicted against measured time, every grid point")
+  part = {**record, **{k: plan[k] for k in ("date", "machine") if k in plan}}
+  fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  path = out / "plan.png"
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return [path]

@@ -454,6 +454,105 @@ def reduction_section(reduction: dict[str, Any]) -> str:
   )
 
 
+def _plan_point(point: list[Any] | None) -> str:
+  """`[K, remat]` as `K=4, dots_with_no_batch_dims_saveable`."""
+  if point is None:
+    return "–"
+  return f"K={point[0]}, {point[1] or 'no remat'}"
+
+
+def plan_section(plan: dict[str, Any]) -> str:
+  """`jaccum.fit_plan`'s choice at three budgets, against every point timed."""
+  goals = plan["goals"]
+  rows = []
+  for model in plan["models"]:
+    for name, b in model["budgets"].items():
+      vs_full = b["vs_full_remat"]
+      rows.append(
+        [
+          model["name"],
+          f"{name}, {b['budget_bytes'] / MIB:.2f}",
+          f"{b['num_fitting']} of {len(model['rows'])}",
+          _plan_point(b["chosen"]),
+          f"{b['rank']} of {b['num_fitting']}",
+          f"{b['vs_best']:.2f} ({b['vs_best_paired']:.2f})",
+          _plan_point(b["full_remat_smallest_k"]),
+          "–"
+          if vs_full is None
+          else f"{vs_full:.2f} ({b['vs_full_remat_paired']:.2f})"
+          + ("" if b["lighter_policy_fits"] else ", only full remat fits"),
+          "yes" if b["model_best_found"] else f"no: {_plan_point(b['model_best'])}",
+          f"{b['compiled']} of {b['grid_size']}",
+          f"{b['search_s']:.1f}",
+        ]
+      )
+  results = markdown_table(
+    [
+      "model",
+      "budget, MiB",
+      "points that fit",
+      "chosen",
+      "rank (measured)",
+      "÷ best that fits",
+      "full remat, smallest K that fits",
+      "chosen ÷ full remat",
+      "model's best",
+      "compiled",
+      "search s",
+    ],
+    rows,
+    "llrlrrlrlrr",
+  )
+  grids = []
+  for model in plan["models"]:
+    ks = model["candidates"]
+    at = {(r["num_microbatches"], r["remat"]): r for r in model["rows"]}
+    grid_rows = [
+      [
+        policy or "no remat",
+        *(
+          f"{at[k, policy]['peak_bytes'] / MIB:.1f} / "
+          f"{at[k, policy]['predicted_s'] * 1e3:.1f} / "
+          f"{at[k, policy]['step_s'] * 1e3:.1f}"
+          for k in ks
+        ),
+      ]
+      for policy in model["policies"]
+    ]
+    grids += [
+      f"\n{model['name']}: {model['description']}, batch {model['batch_size']}; "
+      "compiled peak MiB / predicted ms / measured ms (rank correlation of "
+      f"predicted and measured: {model['spearman']:.2f}):\n",
+      markdown_table(["policy", *(f"K={k}" for k in ks)], grid_rows),
+    ]
+  cost = plan["cost_model"]
+  return "\n".join(
+    [
+      "## Plans: `fit_plan`'s choice against every point of its grid, timed\n",
+      "Every point of each model's grid (`fit_plan`'s default policies × the K "
+      "candidates) compiled and timed on one device as "
+      "`jax.jit(jaccum.accumulate(make_grad_fn(remat), K))`, median of "
+      f"{plan['rounds']} interleaved rounds; peaks and predictions are "
+      "`fit_plan`'s own, from one `CostModel.calibrate()` "
+      f"({cost['flops_per_second'] / 1e9:.3g} GFLOP/s, "
+      f"{cost['bytes_per_second'] / 1e9:.3g} GB/s, "
+      f"{cost['seconds_per_microbatch'] * 1e6:.3g} µs per micro-step). "
+      "Budgets sit at the grid's peaks so that a quarter, half and all of "
+      "its points fit. For each, `fit_plan`'s search: its choice's rank by "
+      f"measured time among the points that fit, its time ÷ the fastest's "
+      f"(goal ≤ {goals['vs_best']:g}) and ÷ that of the smallest K that fits "
+      f"with full remat (`nothing_saveable`; goal ≤ {goals['vs_full_remat']:g} "
+      "where a lighter policy fits): ratios of medians, in brackets medians "
+      "of per-round ratios; whether it is the point the cost model predicts "
+      "fastest of all that fit (within its tie of "
+      f"{plan['tie']:.0%}), as compiling the whole grid would find; the "
+      "points it compiled; its wall time.\n",
+      results,
+      *grids,
+    ]
+  )
+
+
 SECTIONS = {
   "sweep": sweep_section,
   "loop": loop_section,
@@ -464,6 +563,7 @@ SECTIONS = {
   "fsdp": fsdp_section,
   "reduction": reduction_section,
   "pipeline": pipeline_section,
+  "plan": plan_section,
 }
 
 
