@@ -12,16 +12,17 @@ micro-step (no compilation); it bounds the point's time from below. Memory
 needs a compilation, and it is monotone: it falls as K grows, as the policy
 gets heavier and as the mode shards more. So one point over budget rules out
 every point lighter in all three, and one that fits rules out every point
-whose bound is slower. The search compiles the point with the fastest bound,
-then the median of what is left in order of the bound, until nothing is left:
-it finds the grid's best point under the cost model, with a few of its
-compilations where the monotony holds.
+whose bound is slower (the bound adds the bytes on the wire that its mode
+was seen to send at a smaller K: a mode never sends fewer as K grows). The
+search compiles the point with the fastest bound, then the median of what is
+left in order of the bound, until nothing is left: it finds the grid's best
+point under the cost model, with a few of its compilations where the
+monotony holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -120,7 +121,9 @@ class CostModel(NamedTuple):
   """The time a step is predicted to take, from XLA's cost figures.
 
   A step of K micro-steps, each of `flops` and `bytes_accessed` (XLA's cost
-  analysis of the lowered micro-step, recompute included), moving
+  analysis of the lowered micro-step: the FLOPs with the policy's recompute,
+  the bytes without remat, which changes what is recomputed, not what is
+  read), moving
   `wire_bytes` between devices, is predicted to take
 
       K · (flops / flops_per_second + bytes_accessed / bytes_per_second
@@ -146,6 +149,13 @@ class CostModel(NamedTuple):
     >>> model.seconds(num_microbatches=4, flops=1e6, bytes_accessed=1e6,
     ...               wire_bytes=1e6)  # 4 · (1 + 1 + 0.01) ms + 10 ms
     0.01804
+    >>> model.compute_seconds(4, flops=1e6, bytes_accessed=1e6)  # no wire
+    0.00804
+    >>> jaccum.CostModel.default("cpu").flops_per_second > 0
+    True
+    >>> measured = jaccum.CostModel.calibrate()  # this backend's constants
+    >>> all(value > 0 for value in measured)
+    True
   """
 
   flops_per_second: float
@@ -193,8 +203,9 @@ class CostModel(NamedTuple):
     y = jnp.ones((1 << 22,), jnp.float32)
     bytes_ps = _throughput(lambda a: a * 2.0 + 1.0, y, "bytes accessed")
 
+    # A body XLA cannot fold into one reduction: the time is the loop's.
     def loop(xs: jax.Array) -> jax.Array:
-      return jax.lax.scan(lambda c, row: (c + row, None), xs[0], xs)[0]
+      return jax.lax.scan(lambda c, row: (jnp.tanh(c + row), None), xs[0], xs)[0]
 
     rows = jnp.ones((2048, 8), jnp.float32)
     per_iteration = _seconds(jax.jit(loop), rows) / rows.shape[0]
@@ -264,6 +275,15 @@ class PlanPoint(NamedTuple):
     fits: whether `peak_bytes` is within the budget.
     order: 1 for the first configuration compiled, and so on.
     stats: XLA's memory figures behind `peak_bytes`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> make_grad_fn = lambda remat: jax.grad(lambda w, x: jnp.mean(x @ w))
+    >>> plan = jaccum.fit_plan(make_grad_fn, jnp.ones(8), jnp.ones((32, 8)),
+    ...                        memory_budget=1 << 30, candidates=[1, 4])
+    >>> point = next(iter(plan.tried.values()))
+    >>> point.num_microbatches, point.order, point.fits, point.wire_bytes
+    (1, 1, True, 0)
   """
 
   num_microbatches: int
@@ -299,6 +319,20 @@ class Plan(NamedTuple):
     policy: the chosen `Remat`.
     options: the options of `accumulate` or `data_parallel` the step gets
       (`fsdp_mode` included where one was chosen).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> def make_grad_fn(remat):
+    ...   layer = remat(lambda h, w: (jnp.tanh(h @ w), None))
+    ...   return jax.grad(lambda ws, x: jnp.mean(jax.lax.scan(layer, x, ws)[0]))
+    >>> ws, x = jnp.ones((4, 16, 16)) / 16, jnp.ones((64, 16))
+    >>> plan = jaccum.fit_plan(make_grad_fn, ws, x, memory_budget=1 << 30)
+    >>> plan.num_microbatches, plan.remat, plan.fsdp_mode  # all fits at once
+    (1, None, None)
+    >>> point = plan.tried[(1, None, None)]
+    >>> point.fits, point.peak_bytes == plan.peak_bytes
+    (True, True)
+    >>> grads = jax.jit(plan.step(make_grad_fn))(ws, x)
   """
 
   num_microbatches: int
@@ -501,9 +535,9 @@ def fit_plan(
     >>> plan.peak_bytes <= 3 << 20, len(plan.tried) < plan.grid_size
     (True, True)
     >>> step = jax.jit(plan.step(make_grad_fn))  # K, policy and mode applied
-    >>> print(plan)
-    memory budget 3.00 MiB per device: K=..., remat=..., peak ...
-      K  remat ... order  peak  GFLOPs  bytes  wire  predicted
+    >>> print(plan)  # One row per configuration compiled.
+    memory budget 3.00 MiB per device: K=..., remat=..., peak ... configurations
+     K  remat  order  peak  GFLOPs  bytes  wire  predicted
     ...
   """
   if not callable(make_grad_fn):
@@ -570,13 +604,28 @@ def fit_plan(
   # is the same in every mode (the gathers are wire, counted when compiled).
   # XLA's figures are affine in the rows (α·rows + β per micro-step), so the
   # step's are αB + βK: lowering the smallest and largest K gives every K.
+  # A policy changes what is recomputed, not what the step must read: the
+  # bytes are the micro-step's without remat, the FLOPs the policy's own. (The
+  # bytes of a program before fusion would otherwise favour remat, which
+  # writes fewer residuals there than it does once XLA has fused them.)
+  no_remat = grad_fns.get(None) or make_grad_fn(Remat(None, None))
+  costs: dict[tuple[Any, int], dict[str, float] | None] = {}
+
+  def cost_of(grad_fn: Callable[..., Any], key: Any, k: int) -> dict[str, float] | None:
+    if (key, k) not in costs:
+      micro = _micro_args(args, batch_argnums, rows_per_device // k)
+      try:
+        costs[(key, k)] = _cost(jax.jit(grad_fn).lower(*micro))
+      except Exception:  # E.g. code that names a mesh axis: known when compiled.
+        costs[(key, k)] = None
+    return costs[(key, k)]
+
   def lowered(name: str | None, k: int) -> tuple[float, float] | None:
-    micro = _micro_args(args, batch_argnums, rows_per_device // k)
-    try:
-      cost = _cost(jax.jit(grad_fns[name]).lower(*micro))
-    except Exception:  # E.g. code that names a mesh axis: known when compiled.
+    flops = cost_of(grad_fns[name], name, k)
+    accessed = cost_of(no_remat, None, k)
+    if flops is None or accessed is None:
       return None
-    return k * cost["flops"], k * cost["bytes accessed"]
+    return k * flops["flops"], k * accessed["bytes accessed"]
 
   compute: dict[tuple[str | None, int], tuple[float, float] | None] = {}
   for remat in remats:
@@ -591,11 +640,17 @@ def fit_plan(
       )
 
   def bound(point: tuple[int, int, int]) -> float:
-    _, j, i = point
+    m, j, i = point
     figures = compute[(remats[j].name, ks[i])]
     if figures is None:
       return 0.0  # Unknown until compiled: never ruled out by time.
-    return cost_model.compute_seconds(ks[i], figures[0] / ks[i], figures[1] / ks[i])
+    seconds = cost_model.compute_seconds(ks[i], figures[0] / ks[i], figures[1] / ks[i])
+    # The wire: a mode's bytes do not fall as K grows (gather_once sends the
+    # same at every K, the others more), whatever the policy.
+    wire = [
+      q.wire_bytes or 0 for (qm, _, qi), q in points.items() if qm == m and qi <= i
+    ]
+    return seconds + max(wire, default=0) / cost_model.wire_bytes_per_second
 
   grid = [(m, j, i) for m in range(len(modes)) for j in range(len(remats))
           for i in range(len(ks))]  # fmt: skip
@@ -648,11 +703,20 @@ def fit_plan(
     near = [q for q in fitting if points[q].predicted_seconds <= least * (1 + TIE)]
     return min(near, key=lambda q: (q[1], q[2], q[0]))
 
+  def may_win(point: tuple[int, int, int], best: tuple[int, int, int] | None) -> bool:
+    if best is None:
+      return True
+    # Faster than the best, or within its tie and lighter.
+    best_time = points[best].predicted_seconds
+    lighter = (point[1], point[2], point[0]) < (best[1], best[2], best[0])
+    return bound(point) < best_time or (
+      lighter and bound(point) <= best_time * (1 + TIE)
+    )
+
   while True:
     best = fastest()
-    limit = points[best].predicted_seconds * (1 + TIE) if best else math.inf
     left = [
-      p for p in grid if p not in points and bound(p) <= limit and not over_implied(p)
+      p for p in grid if p not in points and may_win(p, best) and not over_implied(p)
     ]
     if not left:
       break
