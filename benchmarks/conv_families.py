@@ -296,9 +296,9 @@ def variants(problem: Problem, num_microbatches: int) -> dict[str, Any]:
 def loop_layouts(compiled: Any) -> list[str]:
   """The `dim_labels` of the convolutions in the compiled program's loop bodies."""
   return [
-    text.split("dim_labels=")[1].split(",")[0]
-    for inside_loop, opcode, text in _instructions(compiled.as_text())
-    if inside_loop and opcode == "convolution" and "rhs_reversal" not in text
+    op.text.split("dim_labels=")[1].split(",")[0]
+    for op in _instructions(compiled.as_text())
+    if op.inside_loop and op.opcode == "convolution" and "rhs_reversal" not in op.text
   ]
 
 
