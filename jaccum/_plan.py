@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -121,9 +122,9 @@ class CostModel(NamedTuple):
   """The time a step is predicted to take, from XLA's cost figures.
 
   A step of K micro-steps, each of `flops` and `bytes_accessed` (XLA's cost
-  analysis of the lowered micro-step: the FLOPs with the policy's recompute,
-  the bytes without remat, which changes what is recomputed, not what is
-  read), moving
+  analysis of the lowered micro-step, its scans unrolled so that every layer
+  counts: the FLOPs with the policy's recompute, the bytes without remat,
+  which changes what is recomputed, not what is read), moving
   `wire_bytes` between devices, is predicted to take
 
       K · (flops / flops_per_second + bytes_accessed / bytes_per_second
@@ -132,9 +133,10 @@ class CostModel(NamedTuple):
   Compute and memory traffic add rather than overlap, which overstates both
   a little and ranks plans the same; the wire is not overlapped either.
   `CostModel.calibrate()` measures the four constants on this backend with
-  small programs of its own (a matmul, an elementwise pass, an empty loop and
-  a `psum`), in a second or two; `CostModel.default()` gives rough figures
-  per platform, enough to rank plans that differ by much.
+  small programs of its own (a matmul, an elementwise pass, jaccum's loop
+  over micro-steps of no work, and a `psum`), in a second or two;
+  `CostModel.default()` gives rough figures per platform, enough to rank
+  plans that differ by much.
 
   Attributes:
     flops_per_second: compute throughput.
@@ -197,18 +199,24 @@ class CostModel(NamedTuple):
 
   @classmethod
   def calibrate(cls) -> CostModel:
-    """The four constants measured on the default backend (about a second)."""
+    """The four constants measured on the default backend (a second or two)."""
     x = jnp.ones((1024, 1024), jnp.float32)
     flops_ps = _throughput(lambda a: a @ a, x, "flops")
-    y = jnp.ones((1 << 22,), jnp.float32)
+    y = jnp.ones((1 << 26,), jnp.float32)  # 256 MiB: more than any cache
     bytes_ps = _throughput(lambda a: a * 2.0 + 1.0, y, "bytes accessed")
 
-    # A body XLA cannot fold into one reduction: the time is the loop's.
-    def loop(xs: jax.Array) -> jax.Array:
-      return jax.lax.scan(lambda c, row: (jnp.tanh(c + row), None), xs[0], xs)[0]
+    # jaccum's own loop over a micro-step of next to no work: 4096 micro-steps
+    # against one, the difference is the loop's cost per micro-step. (A real
+    # micro-step's kernels each cost more: at least a microsecond is taken.)
+    from jaccum._accumulate import accumulate
 
-    rows = jnp.ones((2048, 8), jnp.float32)
-    per_iteration = _seconds(jax.jit(loop), rows) / rows.shape[0]
+    def tiny(w: jax.Array, x: jax.Array) -> jax.Array:
+      return jnp.tanh(x @ w).sum(0)
+
+    w, rows = jnp.ones((8, 8), jnp.float32), jnp.ones((4096, 8), jnp.float32)
+    many = _seconds(jax.jit(accumulate(tiny, 4096)), w, rows)
+    one = _seconds(jax.jit(accumulate(tiny, 1)), w, rows)
+    per_iteration = max(many - one, 1e-6 * 4095) / 4095
     wire_ps = cls.default().wire_bytes_per_second
     if jax.device_count() > 1:
       mesh = jax.make_mesh(
@@ -245,6 +253,35 @@ def _throughput(fn: Callable[..., Any], x: jax.Array, figure: str) -> float:
   jitted = jax.jit(fn)
   amount = _cost(jitted.lower(x))[figure]
   return amount / _seconds(jitted, x)
+
+
+# Scans longer than this stay rolled in the cost analysis (counted once).
+MAX_UNROLL = 256
+
+
+def _unrolled(closed: Any) -> Any:
+  """`closed` with its scans unrolled, so that XLA's cost analysis, which
+  counts a loop's body once, counts every iteration (stacked layers)."""
+  from jaccum._jaxpr import rewrite_eqns
+
+  def unroll(eqn: Any) -> list[Any] | None:
+    if eqn.primitive.name != "scan" or not 1 < eqn.params["length"] <= MAX_UNROLL:
+      return None
+    body = rewrite_eqns(eqn.params["jaxpr"], unroll)
+    params = {**eqn.params, "jaxpr": body, "unroll": eqn.params["length"]}
+    return [eqn.replace(params=params)]
+
+  return rewrite_eqns(closed, unroll)
+
+
+def _step_cost(grad_fn: Callable[..., Any], args: Sequence[Any]) -> dict[str, float]:
+  """XLA's cost analysis of `grad_fn` lowered for `args`, its scans unrolled."""
+  closed = _unrolled(jax.make_jaxpr(grad_fn)(*args))
+
+  def run(*flat: Any) -> list[Any]:
+    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+
+  return _cost(jax.jit(run).lower(*jax.tree.leaves(args)))
 
 
 def _cost(lowered: Any) -> dict[str, float]:
@@ -615,7 +652,7 @@ def fit_plan(
     if (key, k) not in costs:
       micro = _micro_args(args, batch_argnums, rows_per_device // k)
       try:
-        costs[(key, k)] = _cost(jax.jit(grad_fn).lower(*micro))
+        costs[(key, k)] = _step_cost(grad_fn, micro)
       except Exception:  # E.g. code that names a mesh axis: known when compiled.
         costs[(key, k)] = None
     return costs[(key, k)]

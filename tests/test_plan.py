@@ -25,12 +25,12 @@ POLICIES = _plan.DEFAULT_POLICIES
 COST = jaccum.CostModel(5e10, 2e10, 5e9, 5e-6)
 
 
-def mlp_grad_fn(remat):
+def mlp_grad_fn(remat, unroll=1):
   """Eight tanh layers stacked in a `lax.scan`, the policy on each layer."""
 
   def loss(ws, x):
     layer = remat(lambda h, w: (jnp.tanh(h @ w), None))
-    return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
+    return jnp.mean(jax.lax.scan(layer, x, ws, unroll=unroll)[0] ** 2)
 
   return jax.value_and_grad(loss)
 
@@ -82,10 +82,14 @@ def grid(model):
   without remat), both computed here.
   """
   make_grad_fn, (params, batch) = MODELS[model]
-  plain = make_grad_fn(_plan.Remat(None, None))
+  # XLA's cost analysis counts a loop's body once: the reference unrolls the
+  # layers' scan in the model itself, so every layer is counted.
+  unrolled = functools.partial(mlp_grad_fn, unroll=True) if model == "mlp" else None
+  plain = (unrolled or make_grad_fn)(_plan.Remat(None, None))
   points = {}
   for policy in POLICIES:
     grad_fn = make_grad_fn(_plan._remat(policy))
+    costed = (unrolled or make_grad_fn)(_plan._remat(policy))
     for k in KS[model]:
       step = jax.jit(jaccum.accumulate(grad_fn, k))
       m = step.lower(params, batch).compile().memory_analysis()
@@ -100,7 +104,7 @@ def grid(model):
         lambda s, k=k: SDS((s.shape[0] // k, *s.shape[1:]), s.dtype), batch
       )
       # The documented model: the policy's FLOPs, the bytes without remat.
-      flops = jax.jit(grad_fn).lower(params, micro).cost_analysis()["flops"]
+      flops = jax.jit(costed).lower(params, micro).cost_analysis()["flops"]
       read = jax.jit(plain).lower(params, micro).cost_analysis()["bytes accessed"]
       seconds = COST.seconds(k, flops, read, 0)
       points[(k, policy)] = (peak, seconds)
@@ -130,6 +134,20 @@ def test_the_plan_fits_and_is_the_fastest_point_of_the_whole_grid(model):
     assert plan.peak_bytes == points[(plan.num_microbatches, plan.remat)][0]
     assert plan.predicted_seconds <= 1.05 * min(fitting.values()), (budget, plan)
     assert plan.fsdp_mode is None
+
+
+def test_flops_count_every_layer_of_a_scan_and_the_recompute():
+  plan = plan_for("mlp", 1 << 40, candidates=[1], policies=[None, "nothing_saveable"])
+  (ws, x), (layers, width, _), rows = MLP_ARGS, MLP_ARGS[0].shape, MLP_ARGS[1].shape[0]
+  matmul = 2 * rows * width * width
+  # Forward and two backward matmuls per layer; full remat adds the forward.
+  no_remat = plan.tried[(1, None, None)].flops
+  full = jaccum.fit_plan(
+    mlp_grad_fn, ws, x, memory_budget=1 << 40, candidates=[1],
+    policies=["nothing_saveable"], cost_model=COST,
+  ).tried[(1, "nothing_saveable", None)].flops  # fmt: skip
+  assert no_remat == pytest.approx(3 * layers * matmul, rel=0.02)
+  assert full == pytest.approx(4 * layers * matmul, rel=0.02)
 
 
 def test_a_budget_only_full_remat_meets_chooses_it():
