@@ -8,6 +8,9 @@ interleaved, on the quickstart-sized MLP; the ratio is the median of
 per-round ratios.
 
     python -m benchmarks.num_real [--quick]
+
+Writes `results/num_real.json` (`results/quick/` with `--quick`) with the
+machine, the date and the load around the run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaccum
+from benchmarks import _record
 
 CAPACITY, ROWS, WIDTH = 16, 32, 256
 
@@ -83,7 +87,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="two counts, few rounds")
   args = parser.parse_args()
-  run(args.quick, 10 if args.quick else 60)
+  load_before = _record.load()
+  record = run(args.quick, 10 if args.quick else 60)
+  _record.save("num_real", args.quick, load_before, **record)
 
 
 if __name__ == "__main__":
