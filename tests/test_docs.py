@@ -207,6 +207,7 @@ def _missing_output(printed: str, outputs: list[str]) -> str | None:
   return None
 
 
+@pytest.mark.slow  # Each page in a fresh process: `pytest -m slow`, run by CI.
 @pytest.mark.parametrize(
   ("page", "script", "outputs"),
   [pytest.param(*page, id=page[0]) for page in _page_code()],

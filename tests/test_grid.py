@@ -36,6 +36,9 @@ from jax.sharding import PartitionSpec as P
 import jaccum
 import jaccum.inspect
 
+# Slow (about 150 cases, each compiling two steps): `pytest -m slow`, run by CI.
+pytestmark = pytest.mark.slow
+
 DEVICES = 8
 K = 2
 BATCH = DEVICES * K * 4

@@ -12,6 +12,10 @@ import sys
 import time
 
 import numpy as np
+import pytest
+
+# Slow (processes joined over gloo): `pytest -m slow`, run by CI.
+pytestmark = pytest.mark.slow
 
 NUM_PROCESSES, LOCAL_DEVICES, NUM_MICROBATCHES, BATCH = 2, 2, 4, 64
 

@@ -15,6 +15,10 @@ import sys
 import time
 
 import numpy as np
+import pytest
+
+# Slow (processes joined over gloo): `pytest -m slow`, run by CI.
+pytestmark = pytest.mark.slow
 
 NUM_PROCESSES, LOCAL_DEVICES, EVERY_K, CALLS = 2, 2, 2, 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
