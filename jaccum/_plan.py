@@ -470,7 +470,7 @@ def _micro_args(
 
 
 def _wire_bytes(compiled: Any) -> int | None:
-  from jaccum.inspect import _count_collectives
+  from jaccum.inspect import _count_collectives  # Loaded on first use.
 
   counts = _count_collectives(compiled.as_text())
   total = 0
@@ -480,22 +480,6 @@ def _wire_bytes(compiled: Any) -> int | None:
       return None
     total += (2 if kind == "all_reduce" else 1) * (inside + count.bytes_outside_loops)
   return total
-
-
-def _memory_stats(compiled: Any) -> MemoryStats:
-  from jaccum.inspect import MemoryStats
-
-  analysis = compiled.memory_analysis()
-  if analysis is None:
-    raise RuntimeError(f"the {jax.default_backend()} backend reports no memory.")
-  return MemoryStats(
-    temp_bytes=analysis.temp_size_in_bytes,
-    argument_bytes=analysis.argument_size_in_bytes,
-    output_bytes=analysis.output_size_in_bytes,
-    alias_bytes=analysis.alias_size_in_bytes,
-    generated_code_bytes=analysis.generated_code_size_in_bytes,
-    peak_bytes=getattr(analysis, "peak_memory_in_bytes", None),
-  )
 
 
 def fit_plan(
@@ -693,13 +677,15 @@ def fit_plan(
           for i in range(len(ks))]  # fmt: skip
   points: dict[tuple[int, int, int], PlanPoint] = {}
 
+  from jaccum import inspect  # Loaded on first use, as `jaccum.inspect` is.
+
   def compile_point(point: tuple[int, int, int]) -> PlanPoint:
     m, j, i = point
     mode, remat, k = modes[m], remats[j], ks[i]
     step_options = dict(options, **({"fsdp_mode": mode} if mode else {}))
     step = jax.jit(transform(grad_fns[remat.name], k, **step_options))
     compiled = step.lower(*args).compile()
-    stats = _memory_stats(compiled)
+    stats = inspect._memory_of(compiled)
     peak = _peak(stats)
     exact = lowered(remat.name, k)
     if exact is None:  # The compiled step's figures: its loop body once.

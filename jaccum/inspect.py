@@ -392,7 +392,12 @@ def memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryStats:
     >>> stats.argument_bytes, stats.output_bytes
     (1024, 1024)
   """
-  analysis = _compile(fn, args, kwargs).memory_analysis()
+  return _memory_of(_compile(fn, args, kwargs))
+
+
+def _memory_of(compiled: Any) -> MemoryStats:
+  """XLA's memory figures for a program compiled already."""
+  analysis = compiled.memory_analysis()
   if analysis is None:
     raise RuntimeError(f"the {jax.default_backend()} backend reports no memory.")
   return MemoryStats(
