@@ -626,9 +626,9 @@ def fit_plan(
   # XLA's figures are affine in the rows (α·rows + β per micro-step), so the
   # step's are αB + βK: lowering the smallest and largest K gives every K.
   # A policy changes what is recomputed, not what the step must read: the
-  # bytes are the micro-step's without remat, the FLOPs the policy's own. (The
-  # bytes of a program before fusion would otherwise favour remat, which
-  # writes fewer residuals there than it does once XLA has fused them.)
+  # bytes are the micro-step's without remat, the FLOPs the policy's own.
+  # (Before fusion, a rematerialised program's bytes came out below those
+  # without remat, which ranked remat faster than it runs.)
   no_remat = grad_fns.get(None) or make_grad_fn(Remat(None, None))
   costs: dict[tuple[Any, int], dict[str, float] | None] = {}
 

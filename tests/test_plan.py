@@ -254,7 +254,7 @@ def test_a_policy_of_your_own_is_tried_and_named():
   assert plan.grid_size == 2 * len(CANDIDATES)
 
 
-def test_fsdp_modes_on_a_mesh_choose_shard_all_where_only_it_fits():
+def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   specs = jax.P(None, "data")
   ws = jax.random.normal(jax.random.key(0), (4, 256, 256)) / 16
