@@ -237,8 +237,12 @@ def _search(
   args: Sequence[Any],
   candidates: list[int],
   budget: int,
+  advice: str = "",
 ) -> MicrobatchFit:
-  """The smallest candidate whose step fits, by bisection while memory falls."""
+  """The smallest candidate whose step fits, by bisection while memory falls.
+
+  `advice` ends the message that says no candidate fits.
+  """
   stats: dict[int, MemoryStats] = {}  # In the order compiled.
 
   def peak(k: int) -> int:
@@ -276,7 +280,7 @@ def _search(
     # not fall with K (a middle K may fit where both ends are over budget).
     fitting = [k for k in candidates if peak(k) <= budget][:1]
   if not fitting:
-    raise ValueError(_no_fit_message(stats, budget))
+    raise ValueError(_no_fit_message(stats, budget, advice))
   chosen = fitting[0]
   return MicrobatchFit(
     num_microbatches=chosen,
@@ -287,7 +291,7 @@ def _search(
   )
 
 
-def _no_fit_message(stats: dict[int, MemoryStats], budget: int) -> str:
+def _no_fit_message(stats: dict[int, MemoryStats], budget: int, more: str = "") -> str:
   best = min(stats, key=lambda k: (_peak(stats[k]), k))
   s = stats[best]
   # Only the temporaries shrink as K grows; arguments and outputs stay.
@@ -308,7 +312,8 @@ def _no_fit_message(stats: dict[int, MemoryStats], budget: int) -> str:
     f"device; the smallest peak is {_format_bytes(_peak(s))} at K={best}: "
     f"arguments {_format_bytes(s.argument_bytes)}, outputs "
     f"{_format_bytes(s.output_bytes)}, temporaries {_format_bytes(s.temp_bytes)}, "
-    f"aliased {_format_bytes(s.alias_bytes)}. {advice}\n" + _table(stats, budget, None)
+    f"aliased {_format_bytes(s.alias_bytes)}. {advice}{more}\n"
+    + _table(stats, budget, None)
   )
 
 
@@ -419,11 +424,22 @@ def fit_microbatches(
   """
   budget = _budget_bytes(memory_budget)
   transform, candidates, _ = _prepare(grad_fn, args, candidates, accumulate_kwargs)
+  advice = ""
+  if accumulate_kwargs.get("fsdp_mode", "gather_once") != "shard_all" and (
+    "param_specs" in accumulate_kwargs
+  ):
+    # gather_once holds the whole params and accumulator on every device.
+    advice = (
+      " With param_specs, fsdp_mode='shard_grads' keeps the accumulator "
+      "sharded in the loop and 'shard_all' the params too; jaccum.fit_plan "
+      "chooses the mode with K."
+    )
   return _search(
     lambda k: jax.jit(transform(grad_fn, k, **accumulate_kwargs)),
     args,
     candidates,
     budget,
+    advice,
   )
 
 
