@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import platform
+from collections.abc import Callable
 from typing import Any
 
 import flax
@@ -81,3 +82,21 @@ def save(name: str, quick: bool, load_before: float, **record: Any) -> pathlib.P
   path.write_text(json.dumps(record, indent=1) + "\n")
   print(f"\nsaved {path}")
   return path
+
+
+def save_with_table(
+  name: str,
+  quick: bool,
+  load_before: float,
+  record: dict[str, Any],
+  section: Callable[[dict[str, Any]], str],
+) -> tuple[pathlib.Path, dict[str, Any], str]:
+  """`save`, then the report's `section` of the saved record as `{name}.md`.
+
+  Returns the JSON's path, the record as saved and the table.
+  """
+  path = save(name, quick, load_before, **record)
+  saved = json.loads(path.read_text())
+  table = section(saved)
+  path.with_suffix(".md").write_text(f"{table}\n")
+  return path, saved, table

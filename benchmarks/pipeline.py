@@ -265,10 +265,9 @@ def main():
   if args.out:
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     return
-  path = _record.save("pipeline", args.quick, load_before, **record)
-  saved = json.loads(path.read_text())
-  table = report.pipeline_section(saved)
-  path.with_suffix(".md").write_text(f"{table}\n")
+  path, _, table = _record.save_with_table(
+    "pipeline", args.quick, load_before, record, report.pipeline_section
+  )
   print(f"\n{table}\nsaved {path.with_suffix('.md')}")
 
 

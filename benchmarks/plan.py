@@ -375,10 +375,9 @@ def main() -> None:
     return
   from benchmarks import _record, plots, report
 
-  path = _record.save("plan", args.quick, load_before, **record)
-  saved = json.loads(path.read_text())
-  table = report.plan_section(saved)
-  path.with_suffix(".md").write_text(f"{table}\n")
+  path, saved, table = _record.save_with_table(
+    "plan", args.quick, load_before, record, report.plan_section
+  )
   suite = {**saved, "parts": {"plan": saved}}
   written = plots.plot_plan(suite, path.parent)
   print(f"\n{table}\nsaved {path.with_suffix('.md')}, {', '.join(map(str, written))}")

@@ -114,6 +114,21 @@ def plot_sweep(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
   return written
 
 
+def _save_part(
+  fig: Any, record: dict[str, Any], name: str, out: pathlib.Path, bottom: float
+) -> pathlib.Path:
+  """Writes `{name}.png` with the caption of the part's own run (a part re-run
+  on its own has its own date and machine) in the `bottom` share of the figure."""
+  own = record["parts"][name]
+  part = {**record, **{k: own[k] for k in ("date", "machine") if k in own}}
+  fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
+  fig.tight_layout(rect=(0, bottom, 1, 1))
+  path = out / f"{name}.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def plot_conv(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
   """Writes `conv.png`, the convolution part's step times against the whole batch."""
   conv = record["parts"]["conv"]
@@ -156,13 +171,7 @@ def plot_conv(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     frameon=False,
   )
   fig.suptitle("Convolutional networks accumulated on CPU: step time / whole batch")
-  part = {**record, **{k: conv[k] for k in ("date", "machine") if k in conv}}
-  fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
-  fig.tight_layout(rect=(0, 0.14, 1, 1))
-  path = out / "conv.png"
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
+  return [_save_part(fig, record, "conv", out, bottom=0.14)]
 
 
 def plot_fsdp(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
@@ -185,13 +194,7 @@ def plot_fsdp(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
   axes[0][0].set_ylabel("temporaries per device (MiB, XLA)")
   axes[0][0].legend(fontsize=9)
   fig.suptitle(f"FSDP modes on {len(fsdp['devices'])} simulated devices: memory")
-  part = {**record, **{k: fsdp[k] for k in ("date", "machine") if k in fsdp}}
-  fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
-  fig.tight_layout(rect=(0, 0.05, 1, 1))
-  path = out / "fsdp.png"
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
+  return [_save_part(fig, record, "fsdp", out, bottom=0.05)]
 
 
 # One colour per remat policy in plan.png, lightest first.
@@ -266,10 +269,4 @@ def plot_plan(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
   fig.suptitle("fit_plan: predicted against measured time, every grid point")
-  part = {**record, **{k: plan[k] for k in ("date", "machine") if k in plan}}
-  fig.text(0.5, 0.01, _record.caption(part), ha="center", fontsize=8)
-  fig.tight_layout(rect=(0, 0.04, 1, 1))
-  path = out / "plan.png"
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
+  return [_save_part(fig, record, "plan", out, bottom=0.04)]
