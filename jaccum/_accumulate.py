@@ -185,9 +185,12 @@ def accumulate(
     every n. Means divide by what ran (or by its weights), `"sum"`, `"max"`,
     `"min"` and threaded state see only the real micro-batches, `"last"` is
     micro-batch n-1's, and `"concat"` rows of skipped micro-batches are zeros;
-    n = 0 gives zeros. A Python int outside [0, K] is an error; a traced n is
-    clamped to [0, K]. On many devices (`data_parallel`) each device may run
-    its own count: pass one per device, shape `[devices]`.
+    n = 0 gives zeros. A concrete count outside [0, K] (called without
+    `jit`) is an error; a traced count (any count under `jit`), a Python int
+    too, is clamped to [0, K] in its own integer type: -1 gives zeros, an
+    int64 count above 2³¹ runs all K. On many devices (`data_parallel`)
+    each device may run its own count: pass one per device, shape
+    `[devices]`.
     Put it inside your jitted train step: called eagerly, it traces and
     compiles its loop again on every call.
 

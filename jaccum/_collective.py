@@ -74,6 +74,32 @@ def sums_over(jaxpr: jex.Jaxpr, axes: Sequence[str]) -> bool:
   )
 
 
+_COLLECTIVES = {
+  "psum": "axes",
+  "psum_invariant": "axes",
+  "pmax": "axes",
+  "pmin": "axes",
+  "pbroadcast": "axes",
+  "all_gather": "axis_name",
+  "all_gather_invariant": "axis_name",
+  "reduce_scatter": "axis_name",
+  "ppermute": "axis_name",
+  "all_to_all": "axis_name",
+  "ragged_all_to_all": "axis_name",
+}
+
+
+def collective_axes(jaxpr: jex.Jaxpr) -> set[str]:
+  """The mesh axes that collectives in `jaxpr` (nested programs too) run over."""
+  found: set[str] = set()
+  for sub in _jaxprs(jaxpr):
+    for eqn in sub.eqns:
+      param = _COLLECTIVES.get(eqn.primitive.name)
+      names = eqn.params.get(param, ()) if param else ()
+      found.update((names,) if isinstance(names, str) else names)
+  return found
+
+
 def fold_device(key: jax.Array, axes: Sequence[str]) -> jax.Array:
   """`key` on device 0, `fold_in(key, d)` on device d > 0 of `axes`.
 
@@ -251,6 +277,55 @@ def gradient_part(mask: Any) -> int | None:
   )
 
 
+_REDUCE_FN_RETURNS = (
+  "reduce_fn(grads, axes, state) must return a pair (reduced_grads, new_state): "
+  "reduced_grads shaped as it got grads, new_state shaped as it got state "
+  "(return it unchanged, or None if there is none)"
+)
+
+
+def _types(tree: Any) -> list[tuple[tuple[int, ...], Any]]:
+  return [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree)]
+
+
+def _checked_reduce_output(out: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+  """`reduce_fn`'s `(reduced, new_state)`, or an error saying what it must be.
+
+  A pair is unpacked only if it is one: a single gradient array of leading
+  size 2 would unpack as its two rows.
+  """
+  if not isinstance(out, tuple) or len(out) != 2:
+    got = f"{type(out).__name__} {jax.tree.structure(out)}"
+    if hasattr(out, "shape"):
+      got = f"an array of shape {out.shape}"
+    raise TypeError(f"{_REDUCE_FN_RETURNS}; got {got}.")
+  reduced, new_state = out
+  for name, new, old in (
+    ("reduced_grads", reduced, grads),
+    ("new_state", new_state, state),
+  ):
+    if jax.tree.structure(new) != jax.tree.structure(old) or _types(new) != _types(old):
+      raise TypeError(
+        f"{_REDUCE_FN_RETURNS}; {name} is {jax.tree.structure(new)} of "
+        f"{[f'{d}{list(sh)}' for sh, d in _types(new)]}, expected "
+        f"{jax.tree.structure(old)} of {[f'{d}{list(sh)}' for sh, d in _types(old)]}."
+      )
+  return reduced, new_state
+
+
+def check_reduce_state(reduce_state: Any, rows: int, axes: Sequence[str]) -> None:
+  """Each `reduce_state` leaf needs a leading axis of one row per device."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(reduce_state)[0]:
+    shape = jnp.shape(leaf)
+    if shape[:1] != (rows,):
+      raise ValueError(
+        f"reduce_state{jax.tree_util.keystr(path)} has shape {shape}: each "
+        f"reduce_state leaf needs a leading axis of one row per device of "
+        f"{tuple(axes)}, {rows} here. Make the state for this many devices "
+        f"(e.g. PowerSGD.init(grads_like, num_devices={rows}))."
+      )
+
+
 def apply_reduce_fn(
   leaves: Any,
   acc: Any,
@@ -302,12 +377,9 @@ def apply_reduce_fn(
   tree = jax.tree.unflatten(treedef, values)
   grads = tree if part is None else tree[part]
   state = jax.tree.map(lambda x: x[0], reduce_state)
-  reduced, new_state = reduce_fn(grads, axes, state)
-  if jax.tree.structure(reduced) != jax.tree.structure(grads):
-    raise TypeError(
-      "reduce_fn must return (grads, state) with grads structured as it got "
-      f"them, {jax.tree.structure(grads)}; got {jax.tree.structure(reduced)}."
-    )
+  reduced, new_state = _checked_reduce_output(
+    reduce_fn(grads, axes, state), grads, state
+  )
   if part is None:
     tree = reduced
   else:

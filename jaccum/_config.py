@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _reduce
+from jaccum import _compose, _reduce
 from jaccum._microbatch import Split, check_num_microbatches, check_split
 
 
@@ -171,7 +171,7 @@ def make_config(
   fn, bound_args, bound_kwargs = grad_fn, (), {}
   if isinstance(grad_fn, functools.partial):
     fn, bound_args, bound_kwargs = grad_fn.func, grad_fn.args, grad_fn.keywords
-  return Config(
+  config = Config(
     grad_fn=fn,
     bound_args=tuple(bound_args),
     bound_kwargs=dict(bound_kwargs),
@@ -192,6 +192,8 @@ def make_config(
     reduce_dtype=_reduce.check_accum_dtype(reduce_dtype, "reduce_dtype"),
     reduce_fn=_check_reduce_fn(reduce_fn),
   )
+  _compose.check_options(config)
+  return config
 
 
 class Positions(NamedTuple):

@@ -22,34 +22,43 @@ evaluated inline so that their scans are reached too; other nested programs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Jaxpr, Literal, Var
+
+from jaccum import _reduce
 
 
 class Sharded(NamedTuple):
   """An array split along `dim` over the mesh `axes`, each device holding a slice.
 
-  `dtype`, for a gradient scattered in the loop: what it is summed over
-  devices in (the accumulator's dtype, float32 for bf16 gradients unless
-  `accum_dtype=None` asks for bf16); None keeps its own.
+  `dtype`, for a gradient scattered in the loop: what it is summed into
+  (the accumulator's dtype, float32 for bf16 gradients unless
+  `accum_dtype=None` asks for bf16); None keeps its own. `wire`: the dtype
+  it crosses the wire in (`reduce_dtype`), cast back after; None sends it
+  as it is.
   """
 
   dim: int
   axes: tuple[str, ...]
   dtype: Any = None
+  wire: Any = None
 
   def gather(self, shard: jax.Array) -> jax.Array:
     return jax.lax.all_gather(shard, self.axes, axis=self.dim, tiled=True)
 
   def scatter(self, whole: jax.Array) -> jax.Array:
     """The sum over `axes` of `whole`, each device keeping its slice."""
-    return jax.lax.psum_scatter(
-      whole, self.axes, scatter_dimension=self.dim, tiled=True
+    narrow = self.wire is not None and jnp.issubdtype(whole.dtype, jnp.floating)
+    sent = whole.astype(self.wire) if narrow else whole
+    shard = jax.lax.psum_scatter(
+      sent, self.axes, scatter_dimension=self.dim, tiled=True
     )
+    return shard.astype(whole.dtype)
 
   def sliced(self) -> Sharded | None:
     """How a slice of the leading axis is split (None: the leading axis is)."""
@@ -81,6 +90,45 @@ def shard_shape(shape: tuple[int, ...], how: Sharded) -> tuple[int, ...]:
   return tuple(d // size if i == how.dim else d for i, d in enumerate(shape))
 
 
+def whole_params(params: Any, hows: Sequence[Sharded | None]) -> Any:
+  """The params as the micro-step sees them: shards given whole shapes."""
+  leaves, treedef = jax.tree.flatten(params)
+  return jax.tree.unflatten(
+    treedef,
+    [
+      x
+      if how is None
+      else jax.ShapeDtypeStruct(whole_shape(np.shape(x), how), jnp.result_type(x))
+      for x, how in zip(leaves, [*hows, *[None] * len(leaves)], strict=False)
+    ],
+  )
+
+
+def scattered_plan(
+  leaves: Any,
+  grad_mask: Any,
+  grads: Sequence[Sharded | None],
+  num_outputs: int,
+  wire: Any = None,
+) -> tuple[Any, list[Sharded | None]]:
+  """Marks the gradients each micro-step scatters, in the plan and by output.
+
+  Returns the plan with those leaves' carries sharded, and for each output of
+  the traced micro-step (the output's leaves come first) how it is split:
+  summed in the carry's dtype, sent in `wire` (`reduce_dtype`) if given.
+  """
+  plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
+  outputs: list[Sharded | None] = [None] * num_outputs
+  positions = [i for i, on in enumerate(jax.tree.leaves(grad_mask)) if on]
+  for i, how in zip(positions, grads, strict=True):
+    if how is None or plans[i].mode not in ("mean", "sum"):
+      continue
+    how = how._replace(dtype=plans[i].carry_dtype, wire=wire)
+    outputs[i] = how
+    plans[i] = plans[i]._replace(shape=shard_shape(plans[i].shape, how), scattered=how)
+  return jax.tree.unflatten(treedef, plans), outputs
+
+
 def _sq_norm(x: jax.Array) -> jax.Array:
   compute = jnp.promote_types(x.dtype, jnp.float32)
   return jnp.sum(jnp.square(jnp.abs(x.astype(compute)))).astype(jnp.float32)
@@ -94,13 +142,16 @@ def tied(shard: jax.Array, tie: jax.Array) -> jax.Array:
   whole through every iteration), nor merge the gathers of its uses (which
   would keep it whole from the forward pass to the backward), nor run one
   before it is needed. An `optimization_barrier` does not survive XLA:CPU's
-  passes; `x + 0·t` is not folded for floats (0·inf is NaN), and costs one
-  add per element of a shard.
+  passes; `x + 0·f` is not folded for floats (0·inf is NaN), and costs one
+  add per element of a shard. `f` is whether that element is NaN, 0 or 1:
+  a NaN in the batch (a padding row) must not reach the params every
+  device gathers.
   """
   if not jnp.issubdtype(shard.dtype, jnp.inexact) or tie.size == 0:
     return shard
-  zero = jnp.reshape(tie, (-1,))[0].astype(shard.dtype) * 0
-  return shard + zero
+  element = jnp.reshape(tie, (-1,))[0]
+  flag = jnp.isnan(element) if jnp.issubdtype(element.dtype, jnp.inexact) else element
+  return shard + flag.astype(shard.dtype) * 0
 
 
 _INLINED = ("pjit", "jit", "closed_call", "core_call")
@@ -112,7 +163,7 @@ def evaluate(
   args: Sequence[Any],
   inputs: Sequence[Sharded | None],
   outputs: Sequence[Sharded | None],
-  weight: int | Callable[[], Any] | None = None,
+  weight: Any = None,
 ) -> tuple[list[Any], list[jax.Array]]:
   """Evaluates `jaxpr` with sharded inputs and outputs, gathering and scattering.
 
@@ -123,11 +174,11 @@ def evaluate(
       device's shard of the input.
     inputs: how each input is split, or None for one given whole.
     outputs: how each output is to be split, or None to return it whole.
-    weight: this device's weight of the micro-batch, which multiplies each
-      scattered output before it is summed over devices (weights differ
-      between devices, so it cannot be applied after): the index of the
-      output that holds it (computed before any gradient), or a function
-      returning it; None for none.
+    weight: this device's weight of the micro-batch (a scalar), which
+      multiplies each scattered output before it is summed over devices
+      (weights differ between devices, so it cannot be applied after); a
+      weight of 0 contributes zeros, even where the output is NaN. None for
+      none.
 
   Returns:
     `(outs, sq_norms)`: the outputs (shards where `outputs` asks) and, for
@@ -152,17 +203,15 @@ def evaluate(
       return how.gather(shard)
     return env[v]
 
-  def weight_now() -> Any:
-    assert weight is not None
-    return read(jaxpr.outvars[weight]) if isinstance(weight, int) else weight()
-
   def scatter(whole: Any, how: Sharded) -> tuple[Any, jax.Array]:
     norm = _sq_norm(whole)
     if how.dtype is not None:
       whole = whole.astype(how.dtype)
     if weight is not None:
       compute = jnp.promote_types(whole.dtype, jnp.float32)
-      whole = whole.astype(compute) * jnp.asarray(weight_now()).astype(compute)
+      w = jnp.asarray(weight).astype(compute)
+      # `where`: a micro-batch of weight 0 (padding) contributes nothing, NaN too.
+      whole = jnp.where(w != 0, whole.astype(compute) * w, 0)
       whole = whole.astype(how.dtype or whole.dtype)
     return how.scatter(whole), norm
 
@@ -181,13 +230,9 @@ def evaluate(
     )
     if touches and name in ("scan", *_INLINED):
       # Evaluated here, so that their slices are gathered and scattered one at a
-      # time; the weight as it is now (their bodies cannot read ours).
-      fixed = None
-      if weight is not None and any(v in wanted for v in eqn.outvars):
-        value = weight_now()
-        fixed = lambda value=value: value
+      # time.
       run = _scan if name == "scan" else _inline
-      outs, made = run(eqn, read, shards, wanted, fixed)
+      outs, made = run(eqn, read, shards, wanted, weight)
       scattered.update(made)
     else:
       params = eqn.primitive.get_bind_params(eqn.params)

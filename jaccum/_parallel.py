@@ -46,167 +46,32 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _config, _fsdp, _loop, _reduce, _stats
+from jaccum import (
+  _collective,
+  _compose,
+  _config,
+  _fsdp,
+  _loop,
+  _placement,
+  _reduce,
+  _stats,
+  _step,
+)
+from jaccum._collective import all_reduce, apply_reduce_fn
 from jaccum._config import Config, Positions
-from jaccum._jaxpr import spec_axes, without_axes
+from jaccum._jaxpr import spec_axes  # noqa: F401  (re-exported for _fit)
+from jaccum._placement import explicit_batch_axes  # noqa: F401  (for _accumulate)
 
 P = jax.sharding.PartitionSpec
 AxisType = jax.sharding.AxisType
 FsdpMode = Literal["gather_once", "shard_grads", "shard_all"]
 FSDP_MODES = ("gather_once", "shard_grads", "shard_all")
-
-
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, P)
-
-
-def _spec_of(x: Any) -> P | None:
-  """The sharding of `x` if it is laid out over explicit mesh axes, else None."""
-  if not isinstance(x, jax.Array):
-    return None
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
-    return None
-  return getattr(sharding, "spec", None)
-
-
-def _sharded_dim(spec: P, axes: tuple[str, ...]) -> _fsdp.Sharded | None:
-  """How an FSDP spec splits a leaf over (some of) the data `axes`, if it does.
-
-  All of them for FSDP; some for HSDP (`axis=("replica", "fsdp")`, the params
-  split over `"fsdp"` and replicated over `"replica"`).
-  """
-  found = None
-  for dim, entry in enumerate(spec):
-    names = spec_axes(entry)
-    if not set(names) & set(axes):
-      continue
-    if found is not None or not set(names) <= set(axes):
-      raise ValueError(
-        f"param_specs entry {spec} shards more than one dimension over the data "
-        f"axes {axes}, or one over data and other axes at once; FSDP splits one "
-        "dimension of each param over (some of) the data axes."
-      )
-    found = _fsdp.Sharded(dim, names)
-  return found
-
-
-def explicit_batch_axes(
-  args: Sequence[Any], at: Positions
-) -> tuple[Any, tuple[str, ...]] | None:
-  """`(mesh, axes)` when a batch leaf is sharded on axis 0 over explicit mesh axes.
-
-  Batch leaves that are replicated go along (they are resharded to the same
-  axes); leaves sharded on axis 0 over different axes are an error.
-  """
-  found: dict[tuple[str, ...], str] = {}
-  mesh = None
-  for i in at.batch:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
-      spec = _spec_of(leaf)
-      if spec and spec[0] is not None:
-        found.setdefault(spec_axes(spec[0]), f"args[{i}]{jax.tree_util.keystr(path)}")
-        mesh = jax.typeof(leaf).sharding.mesh
-  if len(found) > 1:
-    raise ValueError(
-      "batch leaves must be sharded on axis 0 over the same mesh axes, got "
-      + ", ".join(f"{where} over {axes}" for axes, where in found.items())
-      + "."
-    )
-  return (mesh, next(iter(found))) if found else None
-
-
-def _find_mesh(args: Sequence[Any], at: Positions) -> Any:
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and not mesh.empty:
-    return mesh
-  for i in at.batch:
-    for leaf in jax.tree.leaves(args[i]):
-      leaf_mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-      if leaf_mesh is not None and not leaf_mesh.empty:
-        return leaf_mesh
-  raise ValueError(
-    "data_parallel needs a mesh: pass mesh=..., call it under jax.set_mesh(mesh), "
-    "or pass a batch sharded over the mesh."
-  )
-
-
-def _place(x: Any, mesh: Any, spec: P, explicit: bool) -> jax.Array:
-  sharding = jax.NamedSharding(mesh, spec)
-  if explicit:
-    return jax.sharding.reshard(x, sharding)
-  return jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _fsdp_specs(
-  param_specs: Any,
-  args: Sequence[Any],
-  at: Positions,
-  axes: tuple[str, ...],
-  explicit: bool,
-  mesh_shape: Any,
-) -> list[P | None] | None:
-  """Per leaf of the params (argument 0): its FSDP spec, or None; None if no FSDP."""
-  if param_specs is None and not explicit:
-    return None
-  if 0 in (*at.batch, at.rng, at.state):
-    if param_specs is None:
-      return None
-    raise ValueError(
-      "param_specs describes the params, which must be argument 0 of the call; "
-      f"argument 0 is the {'batch' if 0 in at.batch else 'key or state'}."
-    )
-  params = args[0]
-  if param_specs is None:
-    specs = [_spec_of(leaf) for leaf in jax.tree.leaves(params)]
-    specs = [
-      s if s is not None and any(set(spec_axes(e)) & set(axes) for e in s) else None
-      for s in specs
-    ]
-    return specs if any(specs) else None
-  try:
-    tree = jax.tree.broadcast(param_specs, params, is_leaf=_is_spec)
-  except ValueError as e:
-    raise ValueError(
-      f"param_specs must be a PartitionSpec or a pytree prefix of the params "
-      f"(argument 0), whose structure is {jax.tree.structure(params)}; got "
-      f"{jax.tree.structure(param_specs, is_leaf=_is_spec)}. ({e})"
-    ) from None
-  specs = jax.tree.leaves(tree, is_leaf=_is_spec)
-  for spec in specs:
-    if not _is_spec(spec):
-      raise TypeError(f"param_specs leaves must be PartitionSpecs, got {spec!r}.")
-    others = {a for e in spec for a in spec_axes(e)} - set(axes)
-    if others:
-      raise ValueError(
-        f"param_specs entry {spec} names {sorted(others)}, which are not the data "
-        f"axes {axes}: param_specs says how params are sharded over the data axes "
-        "(FSDP). Params sharded over other mesh axes keep that sharding; leave "
-        "those axes out of param_specs."
-      )
-    _sharded_dim(spec, axes)
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  for (path, leaf), spec in zip(flat, specs, strict=True):
-    how = None if spec is None else _sharded_dim(spec, axes)
-    if how is None:
-      continue
-    num_devices = math.prod(mesh_shape[a] for a in how.axes)
-    if np.shape(leaf)[how.dim] % num_devices:
-      raise ValueError(
-        f"param_specs entry {spec} for args[0]{jax.tree_util.keystr(path)} (shape "
-        f"{np.shape(leaf)}) shards dimension {how.dim} of size "
-        f"{np.shape(leaf)[how.dim]} over the {num_devices} devices of {how.axes}, "
-        f"which do not divide it: shard a dimension whose size is a multiple of "
-        f"{num_devices}, or leave this leaf replicated with P()."
-      )
-  return specs
 
 
 def _check_per_device_leaves(
@@ -258,49 +123,25 @@ def _check_per_device_leaves(
       )
 
 
-def _placed_inputs(
-  call: Any,
-  is_batch: Any,
-  specs: list[P | None] | None,
-  *,
-  mesh: Any,
-  axes: tuple[str, ...],
-  explicit: bool,
-  keep_sharded: bool,
-) -> tuple[list[Any], list[P]]:
-  """The call's array leaves laid out for the per-device loop, with their in_specs.
-
-  Batch leaves are split over `axes` on axis 0 (other mesh axes keep their
-  sharding); every other array goes whole to every device: FSDP params are
-  first laid out as their specs say (which also tells `jit` where an unplaced
-  argument lives), then gathered, once, before the loop, or, with
-  `keep_sharded` ("shard_all"), passed to each device as its shard.
-  """
-  leaves, flags = jax.tree.leaves(call), jax.tree.leaves(is_batch)
-  param_count = 0 if specs is None else len(specs)
-  placed, in_specs = [], []
-  for index, (x, batch) in enumerate(zip(leaves, flags, strict=True)):
-    if not isinstance(x, _loop.ARRAY_TYPES):
-      continue
-    if batch:
-      rest = (_spec_of(x) or P())[1:] if explicit else ()
-      x = _place(x, mesh, P(axes, *rest), explicit)
-    else:
-      # The params (argument 0) are the call's first leaves.
-      spec = specs[index] if specs is not None and index < param_count else None
-      if spec is not None:
-        x = _place(x, mesh, spec, explicit)
-      how = None if spec is None else _sharded_dim(spec, axes)
-      if keep_sharded and how is not None:
-        placed.append(x)
-        in_specs.append(P(*(None,) * how.dim, how.axes))
-        continue
-      own = spec if spec is not None else _spec_of(x) if explicit else None
-      if own is not None and any(set(spec_axes(e)) & set(axes) for e in own):
-        x = _place(x, mesh, without_axes(own, axes), explicit)
-    placed.append(x)
-    in_specs.append(P(axes) if batch else P())
-  return placed, in_specs
+def _cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
+  """What usually makes `grad_fn` fail per device, and what to write instead."""
+  if "with_sharding_constraint can only refer to Auto axes" in str(error):
+    # A bare PartitionSpec is resolved against the mesh in context, whose data
+    # axes are manual inside the per-device loop; a NamedSharding names its
+    # own mesh, and jaccum takes the data axes out of it.
+    return (
+      f"The cause is a with_sharding_constraint given a bare PartitionSpec "
+      f"that names {axes}: inside the per-device loop JAX resolves it against "
+      f"the mesh in context, where those axes are manual. Write it as "
+      f"NamedSharding(mesh, P(...)) (jaccum drops the data axes from it: each "
+      f"device holds its rows already), or leave {axes} out of the spec, and "
+      f"the loop runs per device."
+    )
+  return (
+    "The usual cause is an array that grad_fn closes over (on an explicit "
+    "mesh, any array placed on the mesh): pass it as an argument or keyword "
+    "instead, and the loop runs per device."
+  )
 
 
 def _as_the_whole_batch(
@@ -328,10 +169,13 @@ def _as_the_whole_batch(
   for i in at.batch:
     args[i] = jax.tree.map(
       lambda x: (
-        _place(
-          x, mesh, P(axes, *((_spec_of(x) or P())[1:] if explicit else ())), explicit
+        _placement.place(
+          x,
+          mesh,
+          P(axes, *((_placement.spec_of(x) or P())[1:] if explicit else ())),
+          explicit,
         )
-        if isinstance(x, _loop.ARRAY_TYPES)
+        if isinstance(x, _step.ARRAY_TYPES)
         else x
       ),
       args[i],
@@ -346,34 +190,51 @@ def _as_the_whole_batch(
     f"({type(error).__name__}: {first_line[:300]}), so it runs the loop as the "
     f"whole batch's step runs, sharded over {axes}: the result is the same, but "
     f"XLA may communicate inside the loop (check with "
-    f"jaccum.inspect.collectives). The usual cause is an array that grad_fn "
-    f"closes over (on an explicit mesh, any array placed on the mesh): pass it "
-    f"as an argument or keyword instead, and the loop runs per device.",
+    f"jaccum.inspect.collectives). {_cause_and_fix(error, axes)}",
     stacklevel=4,
   )
   return out
 
 
-def run(
+class Route(NamedTuple):
+  """Where and how the per-device loop runs, decided once per call.
+
+  Attributes:
+    mesh: the device mesh.
+    axes: the data axes the batch is split over.
+    num_devices: the devices over `axes`.
+    explicit: whether the data axes are explicit (arrays are resharded,
+      not constrained).
+    specs: per leaf of the params (argument 0), its FSDP spec, or None; None
+      without FSDP.
+    hows: `specs` read as `_fsdp.Sharded` (how each leaf is split), or None.
+    fsdp: what the sharded modes change inside the loop, or None
+      (`"gather_once"`: nothing).
+    per_step: micro-batches per step over all devices, devices × K.
+    rows: rows per micro-batch on each device.
+  """
+
+  mesh: Any
+  axes: tuple[str, ...]
+  num_devices: int
+  explicit: bool
+  specs: list[P | None] | None
+  hows: list[_fsdp.Sharded | None] | None
+  fsdp: _fsdp.Plan | None
+  per_step: int
+  rows: int
+
+
+def _route(
   config: Config,
   at: Positions,
   args: Sequence[Any],
-  kwargs: dict[str, Any],
-  *,
   mesh: Any,
   axes: tuple[str, ...],
-  param_specs: Any = None,
-  fsdp_mode: str = "gather_once",
-  unsharded_meaning: bool = False,
-  num_real: Any = None,
-  reduce_state: Any = None,
-) -> Any:
-  """Every device accumulates K micro-batches of its rows; one reduction after.
-
-  With `unsharded_meaning` (plain `accumulate` on a sharded batch), outputs
-  that would differ from the unsharded call are refused. `num_real` (one
-  count, or one per device) runs only that many micro-batches per device.
-  """
+  param_specs: Any,
+  fsdp_mode: str,
+) -> Route:
+  """Checks the mesh, the batch and the FSDP specs; says how the loop runs."""
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
     raise ValueError(f"axis={axes} names {missing}, not axes of the mesh {mesh}.")
@@ -404,16 +265,44 @@ def run(
     for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
     if n in axes
   )
-  specs = _fsdp_specs(param_specs, args, at, axes, explicit, mesh.shape)
+  specs = _placement.fsdp_specs(param_specs, args, at, axes, explicit, mesh.shape)
   _loop.check_two_sizes(config, num_devices)
   hows = None
   if specs is not None:
-    hows = [None if s is None else _sharded_dim(s, axes) for s in specs]
+    hows = [None if s is None else _placement.sharded_dim(s, axes) for s in specs]
   fsdp = None
   if hows is not None and fsdp_mode != "gather_once":
-    kept = fsdp_mode == "shard_all"
-    fsdp = _fsdp.Plan(params=hows if kept else [None] * len(hows), grads=hows)
+    kept: list[_fsdp.Sharded | None] = list(hows)
+    if fsdp_mode != "shard_all":
+      kept = [None] * len(hows)
+    fsdp = _fsdp.Plan(params=kept, grads=hows)
+  rows = batch_size // per_step
+  return Route(mesh, axes, num_devices, explicit, specs, hows, fsdp, per_step, rows)
 
+
+def _count(config: Config, num_real: Any, route: Route, unsharded_meaning: bool) -> Any:
+  """The count of real micro-batches: one for all devices, or one per device."""
+  if num_real is None:
+    return None
+  if unsharded_meaning and config.split == "contiguous":
+    _compose.count_and_contiguous(route.axes)
+  one_per_device = 0 if unsharded_meaning else route.num_devices
+  return _loop.check_num_real(num_real, config.num_microbatches, one_per_device)
+
+
+def _per_device(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  route: Route,
+  num_real: Any,
+) -> tuple[Any, _loop.Local]:
+  """Every device's loop over its own rows, under `shard_map`.
+
+  Returns each device's carry stacked over the devices (nothing moves) and
+  one device's `Local` (the plan, the same on every device).
+  """
   # Every array the micro-step can reach as an input crosses into the
   # per-device loop: the call's arguments and keywords, and the arrays bound
   # in a functools.partial. Other leaves (static arguments) stay as they are.
@@ -422,32 +311,22 @@ def run(
     tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
     *(jax.tree.map(lambda _: False, part) for part in call[1:]),
   )
-  placed, in_specs = _placed_inputs(
+  placed, in_specs = _placement.placed_inputs(
     call,
     is_batch,
-    specs,
-    mesh=mesh,
-    axes=axes,
-    explicit=explicit,
-    keep_sharded=fsdp_mode == "shard_all",
+    route.specs,
+    mesh=route.mesh,
+    axes=route.axes,
+    explicit=route.explicit,
+    keep_sharded=route.fsdp is not None and any(route.fsdp.params),
   )
   flat, treedef = jax.tree.flatten(call)
-  dynamic = [isinstance(x, _loop.ARRAY_TYPES) for x in flat]
-  found: list[_loop.Local] = []
+  dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
+  count_varies = num_real is not None and np.ndim(num_real) == 1
   if num_real is not None:
-    if unsharded_meaning and config.split == "contiguous":
-      raise ValueError(
-        f'num_real_microbatches with split="contiguous" and a batch sharded '
-        f"over {axes}: the first contiguous micro-batches live on the first "
-        "devices only, so the loop that runs on every device's rows cannot run "
-        'just them. Use split="strided" (micro-batch k spans every device), or '
-        "jaccum.data_parallel for a count per device."
-      )
-    one_per_device = 0 if unsharded_meaning else num_devices
-    num_real = _loop.check_num_real(num_real, num_microbatches, one_per_device)
-    # One count for all devices, or each device its own.
-    in_specs.append(P(axes) if np.ndim(num_real) else P())
+    in_specs.append(P(route.axes) if count_varies else P())
     placed.append(num_real)
+  found: list[_loop.Local] = []
 
   def per_device(*arrays):
     local_num_real = None
@@ -458,16 +337,16 @@ def run(
     local_args, local_kwargs, bound_args, bound_kwargs = jax.tree.unflatten(
       treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
     )
-    local_config = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
     local = _loop.scan(
-      local_config,
+      config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs),
       at,
       local_args,
       local_kwargs,
-      axes=axes,
-      needs_grads=None if specs is None else "FSDP (param_specs)",
-      fsdp=fsdp,
+      axes=route.axes,
+      needs_grads=None if route.specs is None else "FSDP (param_specs)",
+      fsdp=route.fsdp,
       num_real=local_num_real,
+      count_varies=count_varies,
     )
     found.append(local)
     # Each device's carry, stacked over the devices: nothing moves.
@@ -481,116 +360,122 @@ def run(
   # gradient, with no psum inserted into the micro-step.
   loop = jax.shard_map(
     per_device,
-    mesh=mesh,
+    mesh=route.mesh,
     in_specs=tuple(in_specs),
-    out_specs=P(axes),
-    axis_names=set(axes),
+    out_specs=P(route.axes),
+    axis_names=set(route.axes),
     check_vma=False,
   )
-  try:
-    acc, total, state, stats = loop(*placed)
-  except Exception as error:
-    if not _loop.is_user_error(error):
-      raise  # jaccum's own: the options or the output are wrong either way
-    per_device_error = error  # JAX refuses grad_fn per device
-  else:
-    per_device_error = None
-  if per_device_error is not None:
-    if num_real is not None or config.reduce_fn is not None:
-      raise ValueError(
-        "num_real_microbatches and reduce_fn need the per-device loop, which "
-        "cannot run "
-        f"grad_fn here ({type(per_device_error).__name__}: {per_device_error})"
-      ) from per_device_error
-    return _as_the_whole_batch(
-      config, at, args, kwargs, mesh, axes, explicit, per_device_error
-    )
-  local = found[0]
-  rows = batch_size // per_step
-  _check_per_device_leaves(
-    local,
-    rows,
-    axes,
-    unsharded_meaning and config.split == "contiguous",
-    lambda n: _loop.output_shapes_at(config, at, args, kwargs, n),
-  )
+  return loop(*placed), found[0]
 
+
+class Layout(NamedTuple):
+  """How each output leaf leaves the reduction, one entry per leaf.
+
+  Attributes:
+    scatter: FSDP gradients to reduce-scatter after the loop (`"gather_once"`).
+    sharded: every leaf that comes back sharded like its param (scattered
+      after the loop or by every micro-step).
+    out_specs: each leaf's `PartitionSpec` out of the reduction.
+  """
+
+  scatter: list[_fsdp.Sharded | None]
+  sharded: list[_fsdp.Sharded | None]
+  out_specs: list[P]
+
+
+def _layout(local: _loop.Local, route: Route) -> Layout:
+  """Where each output leaf lives after the reduction."""
   plans = jax.tree.leaves(local.leaves, is_leaf=_reduce.is_plan)
   grads = jax.tree.leaves(local.grad_mask)
   # FSDP gradients come back sharded like their params: scattered after the
   # loop ("gather_once"), or by every micro-step (the loop's plan says so).
   scatter: list[_fsdp.Sharded | None] = [None] * len(plans)
   sharded: list[_fsdp.Sharded | None] = [p.scattered for p in plans]
-  out_specs = [P(axes) if p.mode in ("concat", "last") else P() for p in plans]
-  if hows is not None:
+  out_specs = [P(route.axes) if p.mode in ("concat", "last") else P() for p in plans]
+  if route.hows is not None:
     grad_positions = [i for i, g in enumerate(grads) if g]
-    if len(grad_positions) != len(hows):
+    if len(grad_positions) != len(route.hows):
       raise ValueError(
-        f"FSDP needs the gradients of the params (argument 0, {len(hows)} leaves) "
-        f"in grad_fn's output, found {len(grad_positions)} gradient leaves; pass "
-        "grad_leaves to mark them."
+        f"FSDP needs the gradients of the params (argument 0, {len(route.hows)} "
+        f"leaves) in grad_fn's output, found {len(grad_positions)} gradient "
+        "leaves; pass grad_leaves to mark them."
       )
-    for i, how in zip(grad_positions, hows, strict=True):
+    for i, how in zip(grad_positions, route.hows, strict=True):
       if how is None or plans[i].mode not in ("mean", "sum"):
         continue
       if plans[i].scattered is None:
         scatter[i] = how
       sharded[i] = how
       out_specs[i] = P(*(None,) * how.dim, how.axes)
+  return Layout(scatter, sharded, out_specs)
 
-  hooked = config.reduce_fn is not None
-  if hooked and any(h is not None for h in sharded):
-    raise ValueError(
-      "reduce_fn reduces whole gradients; with FSDP (param_specs) they are "
-      "reduce-scattered instead. Use one or the other."
+
+def _sharded_sq_norm(result: Any, local: _loop.Local, layout: Layout) -> jax.Array:
+  """|G|² of the reduced gradients; a scattered one holds a shard per device."""
+  parts = [
+    _stats.sq_norm(r, True)
+    if how is None
+    else jax.lax.psum(_stats.sq_norm(r, True), how.axes)
+    for r, g, how in zip(
+      jax.tree.leaves(result),
+      jax.tree.leaves(local.grad_mask),
+      layout.sharded,
+      strict=True,
     )
+    if g
+  ]
+  return sum(parts, jnp.zeros((), jnp.float32))
+
+
+def _reduce_on_mesh(
+  config: Config,
+  local: _loop.Local,
+  stacked: Any,
+  route: Route,
+  layout: Layout,
+  reduce_state: Any,
+) -> tuple[Any, Any, Any, Any]:
+  """The one reduction after the loop, under a second, small `shard_map`.
+
+  Returns `(result, state, stats, reduce_state)` as global arrays.
+  """
+  hooked = config.reduce_fn is not None
+  grads = jax.tree.leaves(local.grad_mask)
 
   def reduce_body(acc, total, state, stats, reduce_state):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
     local_weights = first(total)
-    acc, total, state, extras = _collective.all_reduce(
+    acc, total, state, extras = all_reduce(
       local.leaves,
       first(acc),
       local_weights,
       first(state),
-      axes,
-      scatter,
+      route.axes,
+      layout.scatter,
       extras=list(first(stats) or ()),
       wire_dtype=config.reduce_dtype,
       skip=grads if hooked else None,
     )
     final = None
     if hooked:
-      acc, final, reduce_state = _collective.apply_reduce_fn(
+      acc, final, reduce_state = apply_reduce_fn(
         local.leaves,
         acc,
         local_weights,
         total,
         local.grad_mask,
-        per_step,
-        axes,
+        route.per_step,
+        route.axes,
         config.reduce_fn,
         reduce_state,
       )
-    result = _reduce.finalize(
-      local.leaves,
-      acc,
-      None if total is not None else per_step,
-      config.split,
-      final=final,
-    )
+    per_step = None if total is not None else route.per_step
+    result = _reduce.finalize(local.leaves, acc, per_step, config.split, final=final)
     estimates = None
     if config.return_stats:
-      # A reduce-scattered gradient holds a shard on each device: add them up.
-      parts = [
-        _stats.sq_norm(r, True)
-        if how is None
-        else jax.lax.psum(_stats.sq_norm(r, True), how.axes)
-        for r, g, how in zip(jax.tree.leaves(result), grads, sharded, strict=True)
-        if g
-      ]
-      grad_sq_norm = sum(parts, jnp.zeros((), jnp.float32))
-      estimates = _loop.stats_of(local, extras, total, per_step, grad_sq_norm)
+      norm = _sharded_sq_norm(result, local, layout)
+      estimates = _loop.stats_of(local, extras, total, route.per_step, norm)
     # float0 zeros are not arrays shard_map can return; put back after it.
     result = jax.tree.map(
       lambda p, r: None if p.mode == "float0" else r,
@@ -601,21 +486,71 @@ def run(
     return result, state, estimates, reduce_state
 
   result_specs = jax.tree.unflatten(
-    jax.tree.structure(local.leaves, is_leaf=_reduce.is_plan), out_specs
+    jax.tree.structure(local.leaves, is_leaf=_reduce.is_plan), layout.out_specs
   )
+  axes = P(route.axes)
   reduced = jax.shard_map(
     reduce_body,
-    mesh=mesh,
-    in_specs=(P(axes), P(axes), P(axes), P(axes), P(axes)),
-    out_specs=(result_specs, P(), P(), P(axes)),
-    axis_names=set(axes),
+    mesh=route.mesh,
+    in_specs=(axes, axes, axes, axes, axes),
+    out_specs=(result_specs, P(), P(), axes),
+    axis_names=set(route.axes),
   )
   # One row per device: laid out so, as the reduction's shard_map reads it.
+  _collective.check_reduce_state(reduce_state, route.num_devices, route.axes)
   reduce_state = jax.tree.map(
-    lambda x: _place(x, mesh, P(axes), explicit), reduce_state
+    lambda x: _placement.place(x, route.mesh, axes, route.explicit), reduce_state
   )
-  result, state, estimates, reduce_state = reduced(
-    acc, total, state, stats, reduce_state
+  acc, total, state, stats = stacked
+  return reduced(acc, total, state, stats, reduce_state)
+
+
+def run(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  *,
+  mesh: Any,
+  axes: tuple[str, ...],
+  param_specs: Any = None,
+  fsdp_mode: str = "gather_once",
+  unsharded_meaning: bool = False,
+  num_real: Any = None,
+  reduce_state: Any = None,
+) -> Any:
+  """Every device accumulates K micro-batches of its rows; one reduction after.
+
+  With `unsharded_meaning` (plain `accumulate` on a sharded batch), outputs
+  that would differ from the unsharded call are refused. `num_real` (one
+  count, or one per device) runs only that many micro-batches per device.
+  """
+  route = _route(config, at, args, mesh, axes, param_specs, fsdp_mode)
+  num_real = _count(config, num_real, route, unsharded_meaning)
+  try:
+    stacked, local = _per_device(config, at, args, kwargs, route, num_real)
+  except Exception as error:
+    if not _loop.is_user_error(error):
+      raise  # jaccum's own: the options or the output are wrong either way
+    if num_real is not None or config.reduce_fn is not None:
+      raise ValueError(
+        "num_real_microbatches and reduce_fn need the per-device loop, which "
+        f"cannot run grad_fn here ({type(error).__name__}: {error})"
+      ) from error
+    return _as_the_whole_batch(
+      config, at, args, kwargs, mesh, axes, route.explicit, error
+    )
+  _check_per_device_leaves(
+    local,
+    route.rows,
+    axes,
+    unsharded_meaning and config.split == "contiguous",
+    lambda n: _loop.output_shapes_at(config, at, args, kwargs, n),
+  )
+  layout = _layout(local, route)
+  _compose.reduce_fn_and_fsdp(config, layout.sharded)
+  result, state, estimates, reduce_state = _reduce_on_mesh(
+    config, local, stacked, route, layout, reduce_state
   )
   result = jax.tree.map(
     lambda p, r: np.zeros(p.shape, jax.dtypes.float0) if p.mode == "float0" else r,
@@ -625,7 +560,7 @@ def run(
   )
   out = result if at.state is None else (result, state)
   out = out if estimates is None else (out, estimates)
-  return out if not hooked else (out, reduce_state)
+  return out if config.reduce_fn is None else (out, reduce_state)
 
 
 def data_parallel(
@@ -744,7 +679,7 @@ def data_parallel(
 
   def parallel(*args, num_real_microbatches=None, reduce_state=None, **kwargs):
     at = _config.positions(config, args, kwargs)
-    the_mesh = mesh if mesh is not None else _find_mesh(args, at)
+    the_mesh = mesh if mesh is not None else _placement.find_mesh(args, at)
     return run(
       config,
       at,

@@ -124,6 +124,12 @@ class PowerSGD:
     self, grads: Any, axes: tuple[str, ...], state: PowerSGDState
   ) -> tuple[Any, PowerSGDState]:
     """The (estimated) sum over `axes` of each device's share `grads`."""
+    if not isinstance(state, PowerSGDState):
+      raise TypeError(
+        "PowerSGD needs its state: pass reduce_state=powersgd.init(params, "
+        "num_devices) on the first call, and the state each call returns on "
+        f"the next; got {type(state).__name__}."
+      )
     leaves, treedef = jax.tree.flatten(grads)
     qs = treedef.flatten_up_to(state.q)
     errors = treedef.flatten_up_to(state.error)

@@ -1,0 +1,113 @@
+"""Where two options meet: every pair that cannot be exact, refused by name.
+
+Each option is exact on its own; a pair of them is exact, or it is refused
+here, at trace time, with a message that names both and the way out. The
+rules live together so that a new option's crossings are read in one place:
+
+=========================================  =====================================
+pair                                       rule
+=========================================  =====================================
+`reduce_fn` × `reduce_dtype`               refused: `reduce_fn` sets its wire
+`reduce_fn` × FSDP (`param_specs`)         refused: scattered, not reduced whole
+`reduce_fn` × one device                   refused: nothing to reduce over
+`overlap_reduction` × a count              refused: the last micro-batch is
+                                           known only at run time
+a count per device × `grad_fn`'s own       refused: an idle device would join
+collectives over the data axes             them with rows that are not real
+a count per device × FSDP's sharded modes  exact: idle devices join each
+                                           reduce-scatter with zeros
+a count × `split="contiguous"` on a        refused: the first micro-batches
+batch sharded by `accumulate`              live on the first devices
+`return_stats` × gradients not averaged    refused: the noise scale measures
+                                           means
+=========================================  =====================================
+
+Pairs not listed are exact together; `tests/test_pairs.py` crosses every
+option with every other against the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # _config checks the options with these rules
+  from jaccum._config import Config
+
+
+def check_options(config: Config) -> None:
+  """The pairs that the options alone decide, checked when they are given."""
+  if config.reduce_fn is not None and config.reduce_dtype is not None:
+    raise ValueError(
+      f"reduce_fn and reduce_dtype={config.reduce_dtype} do not combine: "
+      "reduce_fn replaces jaccum's reduction of the gradients, so it decides "
+      "what crosses the wire (jaccum.PowerSGD sends low-rank factors). Cast "
+      "inside reduce_fn to narrow its wire, or drop reduce_fn to send the "
+      "gradients in reduce_dtype."
+    )
+
+
+def reduce_fn_needs_devices(config: Config) -> None:
+  if config.reduce_fn is not None:
+    raise ValueError(
+      "reduce_fn replaces the reduction over devices: it needs axis_name (inside "
+      "shard_map or pmap) or jaccum.data_parallel."
+    )
+
+
+def reduce_fn_and_fsdp(config: Config, scattered: Sequence[Any]) -> None:
+  if config.reduce_fn is not None and any(h is not None for h in scattered):
+    raise ValueError(
+      "reduce_fn and FSDP (param_specs) do not combine: reduce_fn reduces whole "
+      "gradients, and FSDP reduce-scatters them so that each device keeps the "
+      "shard its params live on. Use one or the other."
+    )
+
+
+def count_and_overlap(config: Config, num_real: Any) -> None:
+  if num_real is not None and config.overlap_reduction:
+    raise ValueError(
+      "overlap_reduction=True and num_real_microbatches do not combine: "
+      "overlap_reduction runs the last of the K micro-batches after the loop, "
+      "while with num_real_microbatches which one runs last depends on the "
+      "count, known only when the step runs. Pass overlap_reduction=False to "
+      "keep the count, or call without num_real_microbatches (all K "
+      "micro-batches run) to keep the overlap."
+    )
+
+
+def count_per_device_and_collectives(axes: Sequence[str], used: set[str]) -> None:
+  """Refuses per-device counts when `grad_fn` itself communicates over `axes`."""
+  if used & set(axes):
+    raise ValueError(
+      f"num_real_microbatches with a count that differs between devices, and a "
+      f"grad_fn that communicates over the data axes {sorted(used & set(axes))} "
+      f"(e.g. lax.pmean for synchronised BatchNorm), do not combine: a device "
+      f"with fewer micro-batches would have to join those collectives with "
+      f"rows that are not real, which changes what the others compute. Give "
+      f"every device the same count (a scalar), or drop the collective from "
+      f"grad_fn."
+    )
+
+
+def count_and_contiguous(axes: Sequence[str]) -> None:
+  raise ValueError(
+    f'num_real_microbatches with split="contiguous" and a batch sharded '
+    f"over {tuple(axes)}: the first contiguous micro-batches live on the first "
+    "devices only, so the loop that runs on every device's rows cannot run "
+    'just them. Use split="strided" (micro-batch k spans every device), or '
+    "jaccum.data_parallel for a count per device."
+  )
+
+
+def stats_need_means(modes: Sequence[str]) -> None:
+  """`return_stats` × gradient leaves reduced other than by `"mean"`."""
+  summed = sorted({m for m in modes if m not in ("mean", "float0")})
+  if summed:
+    raise ValueError(
+      f"return_stats=True measures gradients that are means over each "
+      f"micro-batch's examples (or weight units): the gradient leaves must be "
+      f'reduced with "mean", got {summed}. For a loss summed '
+      f"over examples, divide it by the micro-batch's size (or, with "
+      f'weight_fn, its total weight) and keep reduce="mean".'
+    )
