@@ -622,7 +622,11 @@ def _program_layout(compiled: Any) -> _MeshLayout | None:
     (s._device_assignment for s in shardings if hasattr(s, "_device_assignment")),
     None,
   )
-  meshes = [jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh()]
+  # The abstract mesh only where no concrete one is set: with one, the abstract
+  # mesh is its shape, and would pass where its devices did not.
+  meshes = [jax.sharding.get_mesh()]
+  if not meshes[0].axis_names:
+    meshes = [jax.sharding.get_abstract_mesh()]
   meshes += [s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
   for mesh in meshes:
     if mesh.axis_names and (layout := _layout(mesh, assignment)) is not None:
