@@ -15,6 +15,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping
+from fractions import Fraction
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -384,6 +385,10 @@ class BatchSizeController:
       elif b < down * m:  K = down    # even the smaller batch would be above it
     lr_scale = (K / K_init) ** p      # p: 1 "linear", 0.5 "sqrt", 0 None
 
+  `up` and `down` are exact: `growth` and `shrink` count as the decimals they
+  are written as (1.2 is 6/5, so 45 grows to 54) and the step computes them
+  in int32 arithmetic, under `jit` too.
+
   Between the two conditions K holds (`down * m <= b <= K * m`), so it does
   not flip back and forth; a NaN `b` (no estimate yet) holds, an infinite one
   (the noise hides the gradient) grows. K changes by at most the factor
@@ -415,6 +420,9 @@ class BatchSizeController:
     min_num_microbatches: the smallest K to propose.
     growth: the factor K grows by per change, > 1 (1 never grows).
     shrink: the factor K shrinks by per change, in (0, 1] (1 never shrinks).
+      Either must be a fraction `p / q` with `max_num_microbatches * q` below
+      2**31 (any decimal of up to 4 places with K up to 2**16), or within
+      float32's precision of one.
     headroom: how far below `B_simple` to keep the batch, >= 1: K grows only
       while `B_simple > headroom * K * m`.
     cooldown: the fewest steps run at one K before it may change (counting
@@ -479,6 +487,8 @@ class BatchSizeController:
         f"headroom must be a factor >= 1 (1 grows the batch up to B_simple, 4 "
         f"up to B_simple / 4), got {self.headroom}."
       )
+    for name in ("growth", "shrink"):
+      _fraction(getattr(self, name), name, self.max_num_microbatches)
     if self.lr_scaling not in _LR_POWERS:
       raise ValueError(
         f"lr_scaling must be None, 'linear' (SGD) or 'sqrt' (Adam), got "
@@ -550,14 +560,14 @@ class BatchSizeController:
     b_simple = noise_scale(ema_state) / self.headroom
     k = jnp.asarray(state.num_microbatches, jnp.int32)
     k_float = k.astype(jnp.float32)
-    up = jnp.minimum(jnp.ceil(k_float * self.growth), self.max_num_microbatches)
-    down = jnp.maximum(jnp.floor(k_float * self.shrink), self.min_num_microbatches)
+    up = jnp.minimum(self._scaled(k, self.growth, ceil=True), self.max_num_microbatches)
+    down = jnp.maximum(self._scaled(k, self.shrink), self.min_num_microbatches)
     ran = state.steps_at_size + 1
     may_change = ran >= self.cooldown
     # Comparisons with NaN are false: no estimate yet holds K.
     grow = may_change & (b_simple > k_float * self.microbatch_size)
-    shrink = may_change & (b_simple < down * self.microbatch_size)
-    new_k = jnp.where(grow, up, jnp.where(shrink, down, k_float)).astype(jnp.int32)
+    shrink = may_change & (b_simple < down.astype(jnp.float32) * self.microbatch_size)
+    new_k = jnp.where(grow, up, jnp.where(shrink, down, k))
     changed = new_k != k
     power = _LR_POWERS[self.lr_scaling]
     ratio = new_k.astype(jnp.float32) / k_float
@@ -567,3 +577,34 @@ class BatchSizeController:
       lr_scale=jnp.asarray(lr_scale, jnp.float32),
       steps_at_size=jnp.where(changed, 0, ran).astype(jnp.int32),
     )
+
+  def _scaled(self, k: jax.Array, factor: float, *, ceil: bool = False) -> jax.Array:
+    """`ceil(k * factor)` (or `floor`) in exact int32 arithmetic, capped at the max."""
+    largest = self.max_num_microbatches
+    p, q = _fraction(factor, "factor", largest)
+    p = min(p, 2**31 - 1)  # a larger p leaves cap at 1, and p unused
+    # From `cap` on, k * factor >= largest; below it, k * p < largest * q < 2**31.
+    cap = -(-largest * q // p)
+    small = jnp.minimum(k, cap)
+    scaled = -(-small * p // q) if ceil else small * p // q
+    return jnp.where(k < cap, scaled, largest)
+
+
+def _fraction(factor: float, name: str, largest: int) -> tuple[int, int]:
+  """`factor` as `(p, q)`, p / q the decimal it was written as, for int32 products.
+
+  `Fraction(str(1.2))` is 6/5, where the float 1.2 is a little more than 6/5:
+  `ceil(5 * 1.2)` would be 7 in exact arithmetic (and float32 rounds 45 * 1.2
+  up to 55). A denominator too long for products `k * p < largest * q < 2**31`
+  (`2 ** 0.5` written out) is cut to the nearest fraction that fits, if that
+  is within float32's precision of the factor.
+  """
+  exact = Fraction(str(factor))
+  fraction = exact.limit_denominator((2**31 - 1) // largest)
+  if fraction <= 0 or abs(fraction - exact) > exact * 2**-24:
+    raise ValueError(
+      f"{name}={factor} is too fine for exact int32 arithmetic with "
+      f"max_num_microbatches={largest} (K * {name} must stay below 2**31 as a "
+      f"fraction): round it to fewer decimals, or lower max_num_microbatches."
+    )
+  return fraction.numerator, fraction.denominator

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 
 class AccumulationStats(NamedTuple):
@@ -183,7 +184,8 @@ class NoiseScaleEMA:
 
   Attributes:
     decay: the weight of the past, in [0, 1): about `1 / (1 - decay)` steps are
-      averaged. 0 keeps the last step only.
+      averaged. 0 keeps the last step only. A Python, NumPy or JAX scalar; a
+      traced one (decays swept under `vmap`) is used as it is, unchecked.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaccum
@@ -209,6 +211,19 @@ class NoiseScaleEMA:
   decay: float = 0.99
 
   def __post_init__(self) -> None:
+    if isinstance(self.decay, jax.Array | np.ndarray):
+      if jnp.ndim(self.decay) != 0:
+        raise TypeError(
+          f"decay must be a scalar in [0, 1), got a "
+          f"{self.decay.dtype}{list(self.decay.shape)} array."
+        )
+      if isinstance(self.decay, Tracer):
+        # Traced (a sweep under vmap or jit): its value exists only inside the
+        # trace, where update uses it as it is; there is nothing to check yet.
+        if jnp.issubdtype(self.decay.dtype, jnp.floating):
+          return
+      else:
+        object.__setattr__(self, "decay", self.decay[()].item())
     if isinstance(self.decay, bool | np.bool_) or not isinstance(
       self.decay, int | float | np.integer | np.floating
     ):

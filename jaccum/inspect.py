@@ -7,11 +7,15 @@ and how many bytes of temporaries the step needs.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 __all__ = ["CollectiveCounts", "Count", "MemoryStats", "collectives", "memory"]
 
@@ -30,12 +34,31 @@ _CALLS = re.compile(
 # A computation opens at a line `[ENTRY ]%name (params) -> type {`; its
 # instructions are indented. Tuple types may hold `/*index=5*/` comments.
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s({]+).*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=")
+# Its name and ` = ` (an attribute continued on the next line, `dimensions={0}`,
+# has no spaces around its `=`).
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s+=\s")
 _OPCODE = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # An array type in HLO text: `f32[16,8]{1,0}`, `bf16[]`, `pred[4]`.
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
+# The device groups of a collective, in the forms XLA prints (see _device_groups).
+_LISTED = re.compile(
+  r"(replica_groups|source_target_pairs)=\{((?:\{[\d,\s]*\},?\s*)*)\}"
+)
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH = re.compile(
+  r"replica_groups=mesh\[([^\]]*)\]"
+  r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?\s*\{([^}]*)\}"
+)
+# A mesh's axis `'name'=4` (or `name=4`); a grouped axis `'name'` or a sub-axis
+# `'name':(2)4` (size 4 of the axis, after the 2 that come before it, major first).
+_MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")
+_GROUPED_AXIS = re.compile(r"'?([^':,\s]+)'?(?::\((\d+)\)(\d+))?")
+
+# A by_axis key: one axis name, the names of several in mesh order, () for
+# groups of one device, None for groups in a form this module cannot read.
+AxisKey = str | tuple[str, ...] | None
 
 
 class Count(NamedTuple):
@@ -77,12 +100,34 @@ class Count(NamedTuple):
   bytes_outside_loops: int = 0
 
 
-class CollectiveCounts(NamedTuple):
+class _Kinds(NamedTuple):
+  """The counts by kind: the tuple that `CollectiveCounts` is."""
+
+  all_reduce: Count
+  reduce_scatter: Count
+  all_gather: Count
+  all_to_all: Count
+  collective_permute: Count
+
+
+class CollectiveCounts(_Kinds):
   """Collectives in a compiled program, by kind, inside loops and outside.
 
   Counts are of instructions in the optimised HLO: a loop that XLA unrolled
-  shows its collectives repeated outside loops. Fields are `Count` values, one per
-  kind; `print` it for a table.
+  shows its collectives repeated outside loops. It is a tuple of five `Count`
+  values, one per kind (`all_reduce`, `reduce_scatter`, `all_gather`,
+  `all_to_all`, `collective_permute`); `print` it for a table.
+
+  Attributes:
+    by_axis: the same collectives by the mesh axes their device groups span:
+      `{axis: Count}`, the key one axis name (`"data"`), or the names of
+      several in mesh order (`("data", "model")`) for a collective whose groups
+      span all of them. Devices of one group differ in those axes' coordinates
+      and agree in every other's. A psum over `"data"` counts under `"data"`
+      only, not also under `("data", "model")`; to ask what runs over `"data"`
+      at all, sum the keys that hold it. `()` is for groups of one device,
+      `None` for groups XLA printed in a form jaccum cannot read. Empty when
+      no mesh is known (see `collectives`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaccum, jaccum.inspect
@@ -97,6 +142,8 @@ class CollectiveCounts(NamedTuple):
     (0, 1)
     >>> counts.bytes_per_step
     8
+    >>> counts.by_axis["data"].outside_loops
+    1
     >>> print(counts)
     collective          inside loops  outside loops   bytes in loops  bytes outside
     all-reduce                     0              1              0 B            8 B
@@ -104,13 +151,35 @@ class CollectiveCounts(NamedTuple):
     all-gather                     0              0              0 B            0 B
     all-to-all                     0              0              0 B            0 B
     collective-permute             0              0              0 B            0 B
+    over mesh axes
+    data                           0              1              0 B            8 B
   """
 
-  all_reduce: Count
-  reduce_scatter: Count
-  all_gather: Count
-  all_to_all: Count
-  collective_permute: Count
+  by_axis: Mapping[AxisKey, Count]
+
+  def __new__(
+    cls,
+    all_reduce: Count,
+    reduce_scatter: Count,
+    all_gather: Count,
+    all_to_all: Count,
+    collective_permute: Count,
+    by_axis: Mapping[AxisKey, Count] | None = None,
+  ) -> CollectiveCounts:
+    self = super().__new__(
+      cls, all_reduce, reduce_scatter, all_gather, all_to_all, collective_permute
+    )
+    # Not a tuple field: code that iterates over the kinds (zip with
+    # `_fields`, sums over `self`) keeps seeing five `Count`s.
+    self.by_axis = types.MappingProxyType(dict(by_axis or {}))
+    return self
+
+  def _replace(self, **kwargs: Any) -> CollectiveCounts:
+    by_axis = kwargs.pop("by_axis", self.by_axis)
+    return CollectiveCounts(*super()._replace(**kwargs), by_axis=by_axis)
+
+  def __repr__(self) -> str:
+    return f"{super().__repr__()[:-1]}, by_axis={dict(self.by_axis)!r})"
 
   @property
   def inside_loops(self) -> int:
@@ -134,17 +203,31 @@ class CollectiveCounts(NamedTuple):
     rows = [
       ("collective", "inside loops", "outside loops", "bytes in loops", "bytes outside")
     ]
-    rows += [
-      (
-        kind,
-        str(n.inside_loops),
-        str(n.outside_loops),
-        _format_bytes(n.bytes_inside_loops),
-        _format_bytes(n.bytes_outside_loops),
-      )
-      for kind, n in zip(_KINDS, self, strict=True)
-    ]
-    return "\n".join(f"{a:<20}{b:>14}{c:>15}{d:>17}{e:>15}" for a, b, c, d, e in rows)
+    rows += [_row(kind, n) for kind, n in zip(_KINDS, self, strict=True)]
+    if self.by_axis:
+      rows.append(("over mesh axes", "", "", "", ""))
+      rows += [_row(_axis_label(key), n) for key, n in self.by_axis.items()]
+    return "\n".join(
+      f"{a:<20}{b:>14}{c:>15}{d:>17}{e:>15}".rstrip() for a, b, c, d, e in rows
+    )
+
+
+def _row(label: str, count: Count) -> tuple[str, str, str, str, str]:
+  return (
+    label,
+    str(count.inside_loops),
+    str(count.outside_loops),
+    _format_bytes(count.bytes_inside_loops),
+    _format_bytes(count.bytes_outside_loops),
+  )
+
+
+def _axis_label(key: AxisKey) -> str:
+  if key is None:
+    return "(unread groups)"
+  if isinstance(key, str):
+    return key
+  return ", ".join(key) if key else "(one device)"
 
 
 def _format_bytes(size: int | None) -> str:
@@ -308,9 +391,113 @@ def _instructions(hlo_text: str) -> list[_Instruction]:
   ]
 
 
-def _count_collectives(hlo_text: str) -> CollectiveCounts:
-  """Counts the collectives in optimised HLO text, `compiled.as_text()`."""
-  counts: dict[str, list[Any]] = {kind: [0, 0, 0, 0] for kind in _KINDS}
+def _iota(reshape: str, perm: str | None) -> np.ndarray:
+  """XLA's iota device list `[4,2]T(1,0)`: 0..n-1 laid out as [4, 2], transposed."""
+  dims = [int(d) for d in reshape.split(",")]
+  order = None if perm is None else [int(d) for d in perm.split(",")]
+  return np.arange(math.prod(dims)).reshape(dims).transpose(order).ravel()
+
+
+def _device_groups(text: str, num_devices: int) -> list[list[int]] | None:
+  """The device groups of one collective instruction, as XLA prints them.
+
+  Listed, `replica_groups={{0,1},{2,3}}` (`{}`: one group of every device), or
+  for a collective-permute `source_target_pairs={{0,1},{1,2}}` (each pair a
+  group); iota, `replica_groups=[2,4]<=[4,2]T(1,0)` (0..7 laid out as [4, 2],
+  transposed, read as 2 groups of 4); or mesh axes,
+  `replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}` (the
+  devices laid out on XLA's mesh, one group along the braced axes, or parts
+  `'a':(1)2` of them, for each position on the others). None printed: every
+  device. None for another form.
+  The ids are positions in the program's device assignment.
+  """
+  if listed := _LISTED.search(text):
+    groups = re.findall(r"\{([\d,\s]*)\}", listed.group(2))
+    if not groups:
+      return [list(range(num_devices))]
+    return [[int(d) for d in g.split(",") if d.strip()] for g in groups]
+  if iota := _IOTA.search(text):
+    shape = [int(d) for d in iota.group(1).split(",")]
+    return _iota(iota.group(2), iota.group(3)).reshape(shape).tolist()
+  if not (mesh := _MESH.search(text)):
+    # No groups printed: one group of every device, as XLA reads it.
+    absent = "replica_groups=" not in text and "source_target_pairs=" not in text
+    return [list(range(num_devices))] if absent else None
+  sizes = [(name, int(n)) for name, n in _MESH_AXIS.findall(mesh.group(1))]
+  ids_text = mesh.group(2)
+  if ids_text is None:  # printed only where it is not 0..n-1 in order
+    ids = np.arange(math.prod(n for _, n in sizes))
+  elif iota := re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids_text):
+    ids = _iota(iota.group(1), iota.group(2))
+  else:
+    ids = np.array([int(d) for d in ids_text.split(",")])
+  refs = _GROUPED_AXIS.findall(mesh.group(3))
+  # Each mesh axis cut where a grouped (sub-)axis starts or ends, major first.
+  dims, grouped = [], []
+  for name, size in sizes:
+    mine = [(int(pre or 1), int(n or size)) for ref, pre, n in refs if ref == name]
+    cuts = sorted({1, size} | {c for pre, n in mine for c in (pre, pre * n)})
+    for low, high in itertools.pairwise(cuts):
+      dims.append(high // low)
+      grouped.append(any(pre == low for pre, _ in mine))
+  order = [i for i, g in enumerate(grouped) if not g] + [
+    i for i, g in enumerate(grouped) if g
+  ]
+  group_size = math.prod(d for d, g in zip(dims, grouped, strict=True) if g)
+  return ids.reshape(dims).transpose(order).reshape(-1, group_size).tolist()
+
+
+class _MeshLayout(NamedTuple):
+  """Where each device of a program sits on a mesh.
+
+  `coords[i]` is the mesh coordinate of the device that the program's
+  collectives call i (its position in the program's device assignment).
+  """
+
+  names: tuple[str, ...]
+  coords: np.ndarray
+
+
+def _layout(mesh: Any, device_assignment: Any = None) -> _MeshLayout | None:
+  """`mesh`'s layout for a program that runs on `device_assignment`.
+
+  Without a device assignment the program's ids are positions in the mesh's
+  devices, row-major (as in any program jit compiles for arrays on `mesh`).
+  None if the assignment holds a device the mesh does not.
+  """
+  shape = tuple(mesh.axis_sizes)
+  if device_assignment is None or not hasattr(mesh, "devices"):
+    coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), -1)
+    return _MeshLayout(tuple(mesh.axis_names), coords)
+  where = {device: index for index, device in np.ndenumerate(mesh.devices)}
+  if len(device_assignment) != mesh.size or not set(device_assignment) <= set(where):
+    return None
+  coords = np.array([where[d] for d in device_assignment]).reshape(-1, len(shape))
+  return _MeshLayout(tuple(mesh.axis_names), coords)
+
+
+def _axes_spanned(text: str, layout: _MeshLayout) -> AxisKey:
+  """The mesh axes along which the devices of a collective's groups differ."""
+  groups = _device_groups(text, len(layout.coords))
+  if groups is None or any(d >= len(layout.coords) for g in groups for d in g):
+    return None
+  varies = np.zeros(len(layout.names), bool)
+  for group in groups:
+    coords = layout.coords[group]
+    varies |= (coords != coords[:1]).any(axis=0)
+  names = tuple(n for n, v in zip(layout.names, varies, strict=True) if v)
+  return names[0] if len(names) == 1 else names
+
+
+def _count_collectives(
+  hlo_text: str, layout: _MeshLayout | None = None
+) -> CollectiveCounts:
+  """Counts the collectives in optimised HLO text, `compiled.as_text()`.
+
+  With a mesh layout, also by the mesh axes each one spans.
+  """
+  counts: dict[Any, list[Any]] = {kind: [0, 0, 0, 0] for kind in _KINDS}
+  by_axis: dict[Any, list[Any]] = {}
   for instruction in _instructions(hlo_text):
     # An async pair counts once, at its `-start`; an `async-start` wrapper
     # holds the plain op in the computation it calls.
@@ -321,13 +508,59 @@ def _count_collectives(hlo_text: str) -> CollectiveCounts:
       size = _array_bytes(instruction.result_type, largest=True)
     else:
       size = sum(_array_bytes(t) for t in instruction.operand_types)
+    tallies = [counts[kind]]
+    if layout is not None:
+      key = _axes_spanned(instruction.text, layout)
+      tallies.append(by_axis.setdefault(key, [0, 0, 0, 0]))
     where = 0 if instruction.inside_loop else 1
-    counts[kind][where] += 1
-    total, runs = counts[kind][2 + where], instruction.runs
-    counts[kind][2 + where] = (
-      None if total is None or runs is None else total + size * runs
-    )
-  return CollectiveCounts(*(Count(*counts[kind]) for kind in _KINDS))
+    for tally in tallies:
+      tally[where] += 1
+      total, runs = tally[2 + where], instruction.runs
+      tally[2 + where] = None if total is None or runs is None else total + size * runs
+  names = () if layout is None else layout.names
+
+  def mesh_order(key: AxisKey) -> tuple[bool, bool, int, list[int]]:
+    axes = _axes_of(key)
+    return (key is None, key == (), len(axes), [names.index(a) for a in axes])
+
+  return CollectiveCounts(
+    *(Count(*counts[kind]) for kind in _KINDS),
+    by_axis={key: Count(*by_axis[key]) for key in sorted(by_axis, key=mesh_order)},
+  )
+
+
+def _inside_loops_by_axis(
+  hlo_text: str, mesh: Any, axes: Iterable[str] = ()
+) -> dict[AxisKey, int]:
+  """How many collectives of a compiled program run inside loops, by mesh axes.
+
+  For a warning that names them: `{key: count}` as in `CollectiveCounts.by_axis`,
+  only the keys with a collective inside a loop, and with `axes` (the data
+  axes) only the keys that span one of them. The program's device ids are
+  taken as positions in `mesh.devices` (a `Mesh` or `AbstractMesh`), as in any
+  program jit compiles for arrays placed on `mesh`.
+
+  Args:
+    hlo_text: optimised HLO, `jitted.lower(*args).compile().as_text()`.
+    mesh: the mesh the program runs on.
+    axes: mesh axis names; none: every key.
+
+  Returns:
+    E.g. `{"data": 2, ("data", "model"): 1}`: two collectives over the data
+    axis alone, one over both, each run once per iteration.
+  """
+  wanted = set(axes)
+  counts = _count_collectives(hlo_text, _layout(mesh)).by_axis
+  return {
+    key: count.inside_loops
+    for key, count in counts.items()
+    if count.inside_loops and (not wanted or key is None or wanted & set(_axes_of(key)))
+  }
+
+
+def _axes_of(key: AxisKey) -> tuple[str, ...]:
+  """The axis names in a by_axis key."""
+  return () if key is None else (key,) if isinstance(key, str) else key
 
 
 def _compile(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -337,6 +570,12 @@ def _compile(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
 
 def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CollectiveCounts:
   """Compiles `fn` for the arguments and counts its collectives, in loops or not.
+
+  The counts are also by mesh axis (`CollectiveCounts.by_axis`), on the mesh
+  the program runs on: the one set with `jax.set_mesh` around the call, else
+  that of the first `NamedSharding` among the compiled program's inputs, then
+  its outputs (arrays placed with `jax.device_put`, a `shard_map`'s results,
+  `jit(in_shardings=...)`). With none, `by_axis` is empty.
 
   Args:
     fn: a function, jitted or not; jit it yourself to mark static arguments.
@@ -366,10 +605,33 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Collective
     all-gather                     0              0              0 B            0 B
     all-to-all                     0              0              0 B            0 B
     collective-permute             0              0              0 B            0 B
+    over mesh axes
+    data                           1              1            256 B           64 B
 
     The psum in the scan runs 4 times a step: 4 × 64 bytes.
   """
-  return _count_collectives(_compile(fn, args, kwargs).as_text())
+  compiled = _compile(fn, args, kwargs)
+  return _count_collectives(compiled.as_text(), _program_layout(compiled))
+
+
+def _program_layout(compiled: Any) -> _MeshLayout | None:
+  """The layout of the mesh a compiled program runs on, as `collectives` finds it."""
+  shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+  # Every sharding of one program holds its device assignment, in its order.
+  assignment = next(
+    (s._device_assignment for s in shardings if hasattr(s, "_device_assignment")),
+    None,
+  )
+  # The abstract mesh only where no concrete one is set: with one, the abstract
+  # mesh is its shape, and would pass where its devices did not.
+  meshes = [jax.sharding.get_mesh()]
+  if not meshes[0].axis_names:
+    meshes = [jax.sharding.get_abstract_mesh()]
+  meshes += [s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
+  for mesh in meshes:
+    if mesh.axis_names and (layout := _layout(mesh, assignment)) is not None:
+      return layout
+  return None
 
 
 def memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryStats:

@@ -8,9 +8,6 @@ where it is used, one layer per iteration where a `lax.scan` slices a stack.
 Every mode gives the whole-batch gradient, sharded like the params.
 """
 
-import math
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,64 +181,12 @@ def test_separate_layers_are_gathered_per_use_and_freed_between():
   assert counts.all_gather.outside_loops == 0, counts
 
 
-def iota(dims, perm=None):
-  """XLA's iota device list: 0..n-1 laid out as `dims`, transposed by `perm`."""
-  return np.arange(math.prod(dims)).reshape(dims).transpose(perm)
-
-
 def device_groups(text):
-  """The groups of devices a collective in compiled HLO text runs over.
-
-  XLA prints them in one of three forms, as a set of frozensets here: listed,
-  `replica_groups={{0,1},{2,3}}` (`{}`: one group of every device); an iota,
-  `replica_groups=[2,4]<=[4,2]T(1,0)` (0..7 laid out as [4,2], transposed,
-  read as 2 groups of 4); or mesh axes, `replica_groups=mesh['a'=4,'b'=2],
-  device_ids=([2,4]T(1,0)) {'a'}` (the devices laid out on the mesh, one group
-  along the braced axes for each position on the others).
-  """
-  if listed := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", text):
-    groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
-    if not groups:
-      return {frozenset(range(DEVICES))}
-    return {frozenset(int(d) for d in g.split(",")) for g in groups}
-  dims = r"\[([\d,]+)\]"
-  if found := re.search(rf"replica_groups={dims}<={dims}(?:T\(([\d,]+)\))?", text):
-    shape, layout, perm = (
-      None if g is None else [int(d) for d in g.split(",")] for g in found.groups()
-    )
-    return {frozenset(row.tolist()) for row in iota(layout, perm).reshape(shape)}
-  mesh = re.search(
-    rf"replica_groups=mesh\[([^\]]*)\], device_ids=\({dims}(?:T\(([\d,]+)\))?\)"
-    r" \{([^}]*)\}",
-    text,
-  )
-  assert mesh, f"replica groups in a form not handled here: {text[:300]}"
-  axes, layout, perm, grouped = mesh.groups()
-  sizes = {name: int(n) for name, n in re.findall(r"'(\w+)'=(\d+)", axes)}
-  along = re.findall(r"'(\w+)'", grouped)
-  assert re.fullmatch(r"('\w+',?)+", grouped), f"sub-axes, not handled: {grouped}"
-  layout = [int(d) for d in layout.split(",")]
-  perm = None if perm is None else [int(d) for d in perm.split(",")]
-  ids = iota(layout, perm).reshape(list(sizes.values()))
-  names = list(sizes)
-  order = [names.index(a) for a in names if a not in along] + [
-    names.index(a) for a in along
-  ]
-  size = math.prod(sizes[a] for a in along)
-  return {frozenset(row.tolist()) for row in ids.transpose(order).reshape(-1, size)}
-
-
-def test_device_groups_reads_each_form_xla_prints():
-  """The three forms, on the groups of a (2, 4) mesh ("replica", "fsdp")."""
-  fsdp = {frozenset(range(4)), frozenset(range(4, 8))}
-  replica = {frozenset((i, i + 4)) for i in range(4)}
-  assert device_groups("x, replica_groups={{0,1,2,3},{4,5,6,7}}, d") == fsdp
-  assert device_groups("x, replica_groups=[2,4]<=[8], d") == fsdp
-  assert device_groups("x, replica_groups=[4,2]<=[2,4]T(1,0), d") == replica
-  seen = "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=("
-  assert device_groups(seen + "[2,4]T(1,0)) {'axis_0'}, d") == fsdp
-  assert device_groups(seen + "[2,4]T(1,0)) {'axis_2'}, d") == replica
-  assert device_groups("replica_groups={}, d") == {frozenset(range(8))}
+  """The groups of devices a collective in compiled HLO text runs over, as a
+  set of frozensets of positions in the mesh (jaccum.inspect reads the forms)."""
+  groups = jaccum.inspect._device_groups(text, DEVICES)
+  assert groups is not None, f"replica groups in a form not read: {text[:300]}"
+  return {frozenset(group) for group in groups}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -277,7 +222,7 @@ def test_hybrid_scatters_over_fsdp_in_the_loop_and_sums_replicas_once_after(mode
   assert counts.all_reduce.outside_loops == 1, counts  # over "replica", once
   if mode != "gather_once":
     assert counts.reduce_scatter.inside_loops >= 1, counts
-  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  ids = np.arange(DEVICES).reshape(mesh.devices.shape)  # how the HLO numbers them
   within_replicas = {frozenset(row.tolist()) for row in ids}  # over "fsdp"
   across_replicas = {frozenset(column.tolist()) for column in ids.T}
   text = step.lower(placed_params, x_sharded).compile().as_text()

@@ -252,3 +252,234 @@ def test_memory_sees_donation_and_shape_structs():
     "peak",
   ]
   assert lines[1].split()[-2:] == ["4,096", "B"]
+
+
+# Collectives by mesh axis: the device groups XLA prints, read back to axes.
+
+LAYOUT_4x2 = inspect._layout(jax.sharding.AbstractMesh((4, 2), ("data", "model")))
+
+
+@pytest.mark.parametrize(
+  ("text", "groups"),
+  [
+    ("x, replica_groups={{0,1,2,3},{4,5,6,7}}, d", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups={}, to_apply=%add", [list(range(8))]),
+    ("x, replica_groups=[2,4]<=[8], d", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("x, replica_groups=[4,2]<=[2,4]T(1,0), d", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("source_target_pairs={{0,2},{2,4},{6,0}}, m", [[0, 2], [2, 4], [6, 0]]),
+    # Mesh axes: XLA's mesh, (4, 1, 2) holding 0, 4, 1, 5, ...; groups along axis_0.
+    (
+      "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0))"
+      " {'axis_0'}, dimensions={0}",
+      [[0, 1, 2, 3], [4, 5, 6, 7]],
+    ),
+    (
+      "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0))"
+      " {'axis_2'}, dimensions={0}",
+      [[0, 4], [1, 5], [2, 6], [3, 7]],
+    ),
+    # Unquoted names, ids in order (not printed), two axes grouped.
+    ("replica_groups=mesh[a=2,b=2,c=2] {a,c}, x", [[0, 1, 4, 5], [2, 3, 6, 7]]),
+    # Listed ids; groups of one device where no axis is braced.
+    ("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'b'}", [[3, 2], [1, 0]]),
+    ("replica_groups=mesh['a'=4] {}, x", [[0], [1], [2], [3]]),
+    # Sub-axes, major first: a=8 as [2, 4] (the first 2) or [2, 2, 2] (the middle).
+    ("replica_groups=mesh['a'=8] {'a':(1)2}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['a'=8] {'a':(2)2}", [[0, 2], [1, 3], [4, 6], [5, 7]]),
+    ("replica_groups=maximal_mesh[device_id=0] {}", None),
+  ],
+)
+def test_device_groups_reads_each_form_xla_prints(text, groups):
+  assert inspect._device_groups(text, 8) == groups
+
+
+@pytest.mark.parametrize(
+  ("groups", "key"),
+  [
+    ("{{0,2,4,6},{1,3,5,7}}", "data"),
+    ("{{0,1},{2,3},{4,5},{6,7}}", "model"),
+    ("{{0,1,2,3,4,5,6,7}}", ("data", "model")),
+    ("{}", ("data", "model")),
+    ("{{0,4}}", "data"),  # part of the axis: still over it
+    ("{{0,3}}", ("data", "model")),
+    ("{{0},{1},{2},{3},{4},{5},{6},{7}}", ()),
+    ("{{0,9}}", None),  # a device the mesh does not have
+  ],
+)
+def test_axes_of_groups_on_a_data_4_model_2_mesh(groups, key):
+  """Position i sits at (i // 2, i % 2): "data" varies across pairs, "model" within."""
+  assert inspect._axes_spanned(f"replica_groups={groups}", LAYOUT_4x2) == key
+  if key not in (None, ()):
+    pairs = f"source_target_pairs={groups}"
+    assert inspect._axes_spanned(pairs, LAYOUT_4x2) == key
+
+
+def shard_map_psums(mesh):
+  """On each device's 8 columns: a psum over "data" in a 4-step scan, then
+  one over "model" and one over both."""
+
+  def step(xs):
+    total = scan_sum(lambda x: jax.lax.psum(x, "data"), xs)
+    return (jax.lax.psum(total, "model") + jax.lax.psum(2 * total, ("data", "model")))[
+      None
+    ]
+
+  columns = jax.P(None, ("data", "model"))
+  return jax.shard_map(step, mesh=mesh, in_specs=columns, out_specs=columns)
+
+
+AUTO_4x2 = dict(axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("devices", ["in order", "transposed"])
+def test_by_axis_psums_on_a_data_4_model_2_mesh(devices):
+  """Hand-counted from the HLO: three all-reduces of f32[8], with groups
+  {{0,2,4,6},{1,3,5,7}} (in the loop), {{0,1},...,{6,7}} and {{0,...,7}}.
+
+  The ids are positions in the mesh's devices, not device ids: with the
+  devices transposed (position 1 holds device 4), the HLO and the axes are
+  the same.
+  """
+  if devices == "in order":
+    mesh = jax.make_mesh((4, 2), ("data", "model"), **AUTO_4x2)
+  else:
+    grid = np.array(jax.devices()).reshape(2, 4).T
+    mesh = jax.sharding.Mesh(grid, ("data", "model"), **AUTO_4x2)
+  report = inspect.collectives(shard_map_psums(mesh), XS)
+  assert report.by_axis == {
+    "data": inspect.Count(1, 0, 4 * 32, 0),
+    "model": inspect.Count(0, 1, 0, 32),
+    ("data", "model"): inspect.Count(0, 1, 0, 32),
+  }
+  assert list(report.by_axis) == ["data", "model", ("data", "model")]
+  assert str(report).splitlines()[-4:] == [
+    "over mesh axes",
+    "data                             1              0            128 B            0 B",
+    "model                            0              1              0 B           32 B",
+    "data, model                      0              1              0 B           32 B",
+  ]
+
+
+def tensor_parallel_mlp(mesh):
+  """Megatron-style: w1 split by columns, w2 by rows over "model"; rows over "data"."""
+
+  def put(x, *spec):
+    return jax.device_put(x, jax.NamedSharding(mesh, jax.P(*spec)))
+
+  params = {
+    "w1": put(jnp.ones((16, 64)) / 16, None, "model"),
+    "w2": put(jnp.ones((64, 8)) / 64, "model", None),
+  }
+
+  def loss(params, x):
+    return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"]) ** 2)
+
+  return jax.grad(loss), params, put(jnp.ones((64, 16)), "data")
+
+
+def test_by_axis_tells_the_models_collectives_from_the_data_axis():
+  """Hand-counted from the HLO, K = 4 over 16 rows per device: the row-parallel
+  matmul's all-reduce of f32[4,8] (4 rows) runs in every micro-step over
+  "model" under both; plain `accumulate` on this auto mesh adds an
+  all-reduce over "data" of both gradients (f32[16,32] and f32[32,8]) in
+  every micro-step, which `data_parallel` runs once, after the loop.
+  """
+  import jaccum
+
+  mesh = jax.make_mesh((4, 2), ("data", "model"), **AUTO_4x2)
+  grad_fn, params, x = tensor_parallel_mlp(mesh)
+  grads = 4 * (16 * 32 + 32 * 8)
+  plain = jax.jit(jaccum.accumulate(grad_fn, 4))
+  parallel = jax.jit(jaccum.data_parallel(grad_fn, 4, mesh=mesh))
+  assert inspect.collectives(plain, params, x).by_axis == {
+    "data": inspect.Count(1, 0, 4 * grads, 0),
+    "model": inspect.Count(1, 0, 4 * 4 * 8 * 4, 0),
+  }
+  assert inspect.collectives(parallel, params, x).by_axis == {
+    "data": inspect.Count(0, 1, 0, grads),
+    "model": inspect.Count(1, 0, 4 * 4 * 8 * 4, 0),
+  }
+  # What a warning about data-axis collectives in the loop would name.
+  text = plain.lower(params, x).compile().as_text()
+  assert inspect._inside_loops_by_axis(text, mesh) == {"data": 1, "model": 1}
+  assert inspect._inside_loops_by_axis(text, mesh, ["data"]) == {"data": 1}
+  text = parallel.lower(params, x).compile().as_text()
+  assert inspect._inside_loops_by_axis(text, mesh, ["data"]) == {}
+
+
+def test_by_axis_on_a_data_fsdp_tensor_mesh():
+  """(data=2, fsdp=2, tensor=2): position i sits at (i // 4, i // 2 % 2, i % 2).
+
+  Hand-counted: an all-gather of f32[16] over "fsdp" ({{0,2},{1,3},...}) in
+  a 4-step scan; psums of f32[8] after it over "fsdp", ("data", "fsdp")
+  ({{0,2,4,6},{1,3,5,7}}), "tensor" and ("data", "tensor") ({{0,1,4,5},...}).
+  """
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=auto)
+
+  def step(xs):
+    gather = lambda x: jax.lax.all_gather(x, "fsdp", tiled=True)[: x.shape[0]]
+    total = scan_sum(gather, xs)
+    sums = [
+      jax.lax.psum(i * total, axes)
+      for i, axes in enumerate(
+        ["fsdp", ("data", "fsdp"), "tensor", ("data", "tensor")], start=1
+      )
+    ]
+    return sum(sums)[None]
+
+  columns = jax.P(None, ("data", "fsdp", "tensor"))
+  step = jax.shard_map(
+    step, mesh=mesh, in_specs=columns, out_specs=columns, check_vma=False
+  )
+  assert inspect.collectives(step, XS).by_axis == {
+    "fsdp": inspect.Count(1, 1, 4 * 64, 32),
+    "tensor": inspect.Count(0, 1, 0, 32),
+    ("data", "fsdp"): inspect.Count(0, 1, 0, 32),
+    ("data", "tensor"): inspect.Count(0, 1, 0, 32),
+  }
+
+
+def test_by_axis_of_a_tensor_parallel_grad_on_an_explicit_3d_mesh():
+  """The mesh from `jax.set_mesh`. Hand-counted: the row-parallel matmul's
+  all-reduce of f32[8,8] over "tensor" ({{0,1},...}), and one of both
+  gradients (f32[32,16], f32[8,32]) over the batch's axes ("data", "fsdp"),
+  printed as an iota, [2,4]<=[4,2]T(1,0)."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  batch = jax.P(("data", "fsdp"))
+
+  def put(x, *spec):
+    return jax.device_put(x, jax.NamedSharding(mesh, jax.P(*spec)))
+
+  params = {
+    "w1": put(jnp.ones((16, 64)) / 16, None, "tensor"),
+    "w2": put(jnp.ones((64, 8)) / 64, "tensor", None),
+  }
+
+  def loss(params, x):
+    hidden = jnp.tanh(x @ params["w1"])
+    return jnp.mean(jnp.matmul(hidden, params["w2"], out_sharding=batch) ** 2)
+
+  with jax.set_mesh(mesh):
+    report = inspect.collectives(
+      jax.grad(loss), params, put(jnp.ones((32, 16)), *batch)
+    )
+  assert report.by_axis == {
+    "tensor": inspect.Count(0, 1, 0, 8 * 8 * 4),
+    ("data", "fsdp"): inspect.Count(0, 1, 0, (32 * 16 + 8 * 32) * 4),
+  }
+
+
+def test_by_axis_is_empty_without_a_mesh_and_kept_by_replace():
+  report = inspect.collectives(lambda xs: scan_sum(jnp.sin, xs), XS)
+  assert report.by_axis == {}
+  assert "over mesh axes" not in str(report)
+  counts = inspect._count_collectives(ASYNC_HLO, LAYOUT_4x2)
+  assert counts.by_axis == {
+    ("data", "model"): inspect.Count(3, 1, None, 32),  # replica_groups={}
+    "model": inspect.Count(0, 1, 0, 32),  # source_target_pairs={{0,1}}
+  }
+  replaced = counts._replace(all_to_all=inspect.Count(0, 1))
+  assert replaced.by_axis == counts.by_axis and replaced.all_to_all.outside_loops == 1
+  assert "by_axis={'model': Count(inside_loops=0, outside_loops=1," in repr(counts)
+  assert len(counts) == 5 and list(counts._fields)[-1] == "collective_permute"

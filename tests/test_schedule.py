@@ -8,6 +8,7 @@ plain-Python transcription of its documented rule on synthetic noise scales.
 
 import itertools
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -247,8 +248,8 @@ def reference(controller: jaccum.BatchSizeController, k0: int, b_simples):
   power = {None: 0, "linear": 1, "sqrt": 0.5}[c.lr_scaling]
   for b in b_simples:
     ran += 1
-    up = min(math.ceil(k * c.growth), c.max_num_microbatches)
-    down = max(math.floor(k * c.shrink), c.min_num_microbatches)
+    up = min(math.ceil(Fraction(str(c.growth)) * k), c.max_num_microbatches)
+    down = max(math.floor(Fraction(str(c.shrink)) * k), c.min_num_microbatches)
     new, b = k, b / c.headroom
     if ran >= c.cooldown:
       if b > k * c.microbatch_size:
@@ -382,6 +383,33 @@ def test_stays_within_its_bounds():
 
 
 @pytest.mark.parametrize(
+  ("growth", "shrink"), [(1.2, 0.7), (1.1, 0.9), (1.25, 0.6), (1.7, 0.35)]
+)
+def test_k_changes_by_the_exact_factor_at_every_k(growth, shrink):
+  """ceil(K·growth) and floor(K·shrink) as the fractions written (1.2 = 6/5), K < 200.
+
+  In float32 growth 1.2 took 15 of these K one micro-batch too far (45 went
+  to 55, not 54: 45·1.2f = 54.000002), and shrink 0.7 one too few (10 went
+  to 6: 10·0.7f = 6.9999999); lr_scale followed.
+  """
+  controller = jaccum.BatchSizeController(
+    1, 10_000, growth=growth, shrink=shrink, lr_scaling="linear"
+  )
+  ks = np.arange(1, 200)
+  states = jaccum.BatchSizeControllerState(
+    jnp.asarray(ks, jnp.int32), jnp.ones(ks.shape, jnp.float32), jnp.zeros_like(ks)
+  )
+  update = jax.jit(jax.vmap(controller.update, in_axes=(0, None)))
+  for b_simple, expected in (
+    (np.inf, [math.ceil(Fraction(str(growth)) * k) for k in ks]),
+    (1e-3, [max(math.floor(Fraction(str(shrink)) * k), 1) for k in ks]),
+  ):
+    new = update(states, smoothed(b_simple))
+    np.testing.assert_array_equal(new.num_microbatches, expected)
+    np.testing.assert_allclose(new.lr_scale, np.asarray(expected) / ks, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
   ("lr_scaling", "scales"),
   [
     (None, [1, 1, 1, 1]),
@@ -499,6 +527,11 @@ def test_controller_state_jits_without_retracing_and_checkpoints(tmp_path):
       "min_num_microbatches must be an int >= 1, got 0",
     ),
     (dict(growth=0.5), ValueError, "growth must be a factor >= 1"),
+    (
+      dict(shrink=0.3333, max_num_microbatches=2**30),
+      ValueError,
+      "shrink=0.3333 is too fine for exact int32 arithmetic",
+    ),
     (dict(shrink=0), ValueError, r"shrink must be a factor in \(0, 1\]"),
     (dict(shrink=1.5), ValueError, r"shrink must be a factor in \(0, 1\]"),
     (dict(cooldown=0), ValueError, "cooldown must be an int >= 1, got 0"),

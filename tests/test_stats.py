@@ -616,6 +616,36 @@ def test_ema_decay_must_be_in_0_1(decay, error):
     jaccum.NoiseScaleEMA(decay=decay)
 
 
+def test_ema_decay_may_be_a_jax_scalar_concrete_or_traced():
+  """A JAX scalar is the NumPy scalar's equal; traced (a sweep under vmap) too.
+
+  Before, `decay=jnp.float32(0.9)` got the message for a wrong type.
+  """
+  state = jaccum.NoiseScaleEMA(0.9).init()
+  steps = [fake_stats(1.0, 3.0), fake_stats(4.0, 2.0)]
+
+  def run(decay):
+    ema, s = jaccum.NoiseScaleEMA(decay=decay), state
+    for stats in steps:
+      s, noise_scale = ema.update(s, stats)
+    return s.true_grad_sq_norm, noise_scale
+
+  # decay 0.9 over two steps: |G|² = (0.9·1 + 4) / 1.9, tr(Σ) = (0.9·3 + 2) / 1.9.
+  expected = (4.9 / 1.9, 4.7 / 4.9)
+  for decay in (np.float32(0.9), jnp.float32(0.9), jnp.asarray(0.9)):
+    np.testing.assert_allclose(run(decay), expected, rtol=1e-6)
+  assert jaccum.NoiseScaleEMA(decay=jnp.float32(0.5)).decay == 0.5
+  swept = jax.jit(jax.vmap(run))(jnp.asarray([0.0, 0.9]))
+  np.testing.assert_allclose(np.transpose(swept), [(4.0, 0.5), expected], rtol=1e-6)
+  for decay, error, match in (
+    (jnp.float32(1.0), ValueError, r"decay must be a number in \[0, 1\), got 1.0"),
+    (jnp.ones(2) / 2, TypeError, r"decay must be a scalar .* got a float32\[2\]"),
+    (jnp.asarray(True), TypeError, "decay must be a float"),
+  ):
+    with pytest.raises(error, match=match):
+      jaccum.NoiseScaleEMA(decay=decay)
+
+
 def test_summed_gradient_leaves_are_refused():
   """The estimator needs per-example means; a "sum" gradient is W times one."""
   summed = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
