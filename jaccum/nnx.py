@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ except ModuleNotFoundError as e:  # Flax is an optional dependency of jaccum.
 
 from jaccum import _reduce
 from jaccum._accumulate import accumulate
+from jaccum._parallel import data_parallel
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -70,21 +71,17 @@ def _check_no_shared_variables(named_nodes: list[tuple[str, Any]]) -> None:
         )
 
 
-# The params reach each micro-step as this keyword argument: whole, device-varying
-# under shard_map, never threaded (so never averaged over devices).
-_PARAMS = "_jaccum_nnx_params"
+class _Mesh(NamedTuple):
+  """`data_parallel`'s options, when `f` runs on a mesh (None: as `accumulate`)."""
+
+  mesh: Any
+  axis: str | tuple[str, ...]
+  param_specs: Any
+  fsdp_mode: str
 
 
-def _transform(
-  loss_fn: Callable[..., Any],
-  num_microbatches: int,
-  has_aux: bool,
-  return_value: bool,
-  wrt: Any,
-  accumulate_kwargs: dict[str, Any],
-) -> Callable[..., Any]:
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
+def _checked_options(accumulate_kwargs: dict[str, Any]) -> dict[str, Any]:
+  """`accumulate`'s options as jaccum.nnx takes them, or an error naming one."""
   options = dict(accumulate_kwargs)
   for name in ("state_argnum", "grad_leaves"):
     if name in options:
@@ -97,13 +94,192 @@ def _transform(
     nums = options.get(name)
     if nums == 0 or (isinstance(nums, Sequence) and 0 in nums):
       raise ValueError(f"{name}={nums!r} must not include 0, the model's position.")
-  if (weight_fn := options.get("weight_fn")) is not None:
-    if not callable(weight_fn):
-      raise TypeError(f"weight_fn must be callable or None, got {weight_fn!r}.")
-    # The user's weight_fn sees the micro-batch: not the model, not graph nodes.
-    options["weight_fn"] = lambda state, *args: weight_fn(
-      *(a for a in args if a is not None)
+  if (weight_fn := options.get("weight_fn")) is not None and not callable(weight_fn):
+    raise TypeError(f"weight_fn must be callable or None, got {weight_fn!r}.")
+  return options
+
+
+class _Call(NamedTuple):
+  """One call's arguments, sorted: graph nodes out, positions resolved.
+
+  Positions count as in the user's call `f(model, *args)`, the model at 0:
+  `node_at` are the graph nodes among `args` (threaded like the model's
+  state, their slots None), `batch` the batch argnums, `key` the key's.
+  """
+
+  args: list[Any]
+  kwargs: dict[str, Any]
+  node_at: list[int]
+  nodes: tuple[list[Any], dict[str, Any]]
+  batch: tuple[int, ...]
+  key: int | None
+
+
+def _sorted_call(
+  model: Any, args: Sequence[Any], kwargs: dict[str, Any], options: dict[str, Any]
+) -> _Call:
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+      "the first argument must be the nnx.Module to differentiate, "
+      f"loss_fn(model, *batch), got {type(model).__name__}."
     )
+  if not args:
+    raise ValueError("called with the model only; pass the batch after it.")
+  node_at = [i for i, a in enumerate(args, start=1) if nnx.graph.is_graph_node(a)]
+  node_kw = [k for k, v in kwargs.items() if nnx.graph.is_graph_node(v)]
+  _check_no_shared_variables(
+    [("the model", model)]
+    + [(f"args[{i}]", args[i - 1]) for i in node_at]
+    + [(f"{k}=", kwargs[k]) for k in node_kw]
+  )
+  size = len(args) + 1
+  rng_argnum = options.get("rng_argnum")
+  key = None if rng_argnum is None else rng_argnum % size
+  given = options.get("batch_argnums")
+  if given is None:
+    batch = tuple(i for i in range(1, size) if i != key and i not in node_at)
+  else:
+    batch = (given,) if isinstance(given, int) else tuple(given)
+  for i in batch:
+    slot = i % size if -size <= i < size else None
+    if slot == 0 or slot in node_at:
+      what = "the model's" if slot == 0 else f"the {type(args[slot - 1]).__name__}'s"
+      raise ValueError(
+        f"batch_argnums={given!r} resolves to position {slot}, {what}, in the "
+        f"call f(model, *args) with {len(args)} arguments after the model; "
+        "count the batch's positions from the model at 0."
+      )
+  # Resolved to positive positions: the state is appended after the arguments.
+  batch = tuple(i % size if -size <= i < size else i for i in batch)
+  return _Call(
+    [None if i in node_at else a for i, a in enumerate(args, start=1)],
+    {k: v for k, v in kwargs.items() if k not in node_kw},
+    node_at,
+    ([args[i - 1] for i in node_at], {k: kwargs[k] for k in node_kw}),
+    batch,
+    key,
+  )
+
+
+def _warn_per_example_aux(
+  aux: Any, out: Any, reduce: Any, return_value: bool, rows: int
+) -> None:
+  try:
+    modes = jax.tree.broadcast(reduce, out)
+  except ValueError:
+    return  # accumulate names the bad reduce tree
+  _reduce.warn_averaged_rows(
+    aux,
+    modes[0][1] if return_value else modes[1],
+    rows,
+    'e.g. reduce=(("mean", "concat"), "mean") for value_and_grad('
+    "has_aux=True) returning (loss, logits)",
+  )
+
+
+def _micro_step(
+  loss_fn: Callable[..., Any],
+  has_aux: bool,
+  return_value: bool,
+  wrt: Any,
+  graphdef: Any,
+  nodes_def: Any,
+  call: _Call,
+  reduce: Any,
+) -> Callable[..., Any]:
+  """`step(params, *args, state)`: one micro-batch's nnx value and gradients.
+
+  The params come first (FSDP shards argument 0) and the threaded state
+  `(other, rest, nodes_state)` last, so the arguments in between keep the
+  positions they have in the user's call.
+  """
+
+  def step(params, *args_and_state, **kwargs):
+    *args, (other, rest, nodes_state) = args_and_state
+
+    def loss_of(params, other):
+      # Fresh variables (copy=True) belong to this trace, so BatchNorm and
+      # nnx.Rngs may update them.
+      module = nnx.merge(graphdef, params, other, rest, copy=True)
+      node_args, node_kwargs = nnx.merge(nodes_def, nodes_state, copy=True)
+      it = iter(node_args)
+      full_args = [
+        next(it) if a is None and i in call.node_at else a
+        for i, a in enumerate(args, start=1)
+      ]
+      loss, aux = _split_loss(
+        loss_fn(module, *full_args, **kwargs, **node_kwargs), has_aux
+      )
+      _, _, new_other, new_rest = nnx.split(module, nnx.All(wrt, nnx.Param), wrt, ...)
+      _, new_nodes = nnx.split((node_args, node_kwargs))
+      new_state = (new_other, new_rest, new_nodes)
+      state = (other, rest, nodes_state)
+      if jax.tree.structure(new_state) != jax.tree.structure(state):
+        raise TypeError(
+          "loss_fn must not add or remove model variables (e.g. with sow): "
+          "their state is carried from micro-batch to micro-batch; before "
+          f"{jax.tree.structure(state)}, after {jax.tree.structure(new_state)}."
+        )
+      return loss, (aux, new_state)
+
+    grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
+    (loss, (aux, new_state)), (param_grads, other_grads) = grad_fn(params, other)
+    grads = nnx.merge_state(param_grads, other_grads)
+    # nnx's output structure, so a `reduce` tree reads the same.
+    if return_value:
+      out = ((loss, aux), grads) if has_aux else (loss, grads)
+    else:
+      out = (grads, aux) if has_aux else grads
+    if has_aux:
+      rows = next(
+        (jnp.shape(x)[0] for i in call.batch for x in jax.tree.leaves(args[i - 1])), 0
+      )
+      _warn_per_example_aux(aux, out, reduce, return_value, rows)
+    return out, new_state
+
+  return step
+
+
+def _accumulator(
+  step: Callable[..., Any],
+  num_microbatches: int,
+  options: dict[str, Any],
+  on_mesh: _Mesh | None,
+  call: _Call,
+  grad_leaves: Any,
+) -> Callable[..., Any]:
+  """`accumulate`, or `data_parallel` on a mesh, of the micro-step."""
+  options = dict(options)
+  if (weight_fn := options.get("weight_fn")) is not None:
+    # The user's weight_fn sees the micro-batch: not the params, the graph
+    # nodes or the state.
+    options["weight_fn"] = lambda params, *args: weight_fn(
+      *(a for a in args[:-1] if a is not None)
+    )
+  if call.key is not None:
+    options["rng_argnum"] = call.key
+  options.update(
+    batch_argnums=call.batch,
+    state_argnum=len(call.args) + 1,
+    grad_leaves=grad_leaves,
+  )
+  if on_mesh is None:
+    return accumulate(step, num_microbatches, **options)
+  return data_parallel(step, num_microbatches, **on_mesh._asdict(), **options)
+
+
+def _transform(
+  loss_fn: Callable[..., Any],
+  num_microbatches: int,
+  has_aux: bool,
+  return_value: bool,
+  wrt: Any,
+  on_mesh: _Mesh | None,
+  accumulate_kwargs: dict[str, Any],
+) -> Callable[..., Any]:
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
+  options = _checked_options(accumulate_kwargs)
   # The gradients' place in nnx's output structure, for FSDP and the stats.
   if return_value:
     grad_leaves = ((False, False), True) if has_aux else (False, True)
@@ -113,122 +289,29 @@ def _transform(
   accumulate(loss_fn, num_microbatches, state_argnum=0, **options)
 
   def accumulated(model: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-    if not isinstance(model, nnx.Module):
-      raise TypeError(
-        "the first argument must be the nnx.Module to differentiate, "
-        f"loss_fn(model, *batch), got {type(model).__name__}."
-      )
-    if not args:
-      raise ValueError("called with the model only; pass the batch after it.")
-    # Graph nodes among the arguments (nnx.Rngs, other modules) are threaded
-    # like the model's own state; their slots carry None through the loop.
-    node_at = [i for i, a in enumerate(args, start=1) if nnx.graph.is_graph_node(a)]
-    node_kw = [k for k, v in kwargs.items() if nnx.graph.is_graph_node(v)]
-    nodes = ([args[i - 1] for i in node_at], {k: kwargs[k] for k in node_kw})
-    _check_no_shared_variables(
-      [("the model", model)]
-      + [(f"args[{i}]", args[i - 1]) for i in node_at]
-      + [(f"{k}=", kwargs[k]) for k in node_kw]
-    )
+    call = _sorted_call(model, args, kwargs, options)
     graphdef, params, other, rest = nnx.split(model, nnx.All(wrt, nnx.Param), wrt, ...)
     if not jax.tree.leaves((params, other)):
       raise ValueError(f"the model holds no variables matching wrt={wrt!r}.")
-    nodes_def, nodes_state = nnx.split(nodes)
-    call_args = [None if i in node_at else a for i, a in enumerate(args, start=1)]
-    call_kwargs = {k: v for k, v in kwargs.items() if k not in node_kw}
-
-    rng_argnum = options.get("rng_argnum")
-    key_at = None if rng_argnum is None else rng_argnum % (len(args) + 1)
-    batch = tuple(
-      i for i in range(1, len(args) + 1) if i != key_at and i not in node_at
+    nodes_def, nodes_state = nnx.split(call.nodes)
+    step = _micro_step(
+      loss_fn,
+      has_aux,
+      return_value,
+      wrt,
+      graphdef,
+      nodes_def,
+      call,
+      options.get("reduce", "mean"),
     )
-    batch = options.get("batch_argnums", batch)
-    for i in (batch,) if isinstance(batch, int) else batch:
-      slot = i % (len(args) + 1) if -len(args) - 1 <= i <= len(args) else None
-      if slot == 0 or slot in node_at:
-        what = "the model's" if slot == 0 else f"the {type(args[slot - 1]).__name__}'s"
-        raise ValueError(
-          f"batch_argnums={batch!r} resolves to position {slot}, {what}, in the "
-          f"call f(model, *args) with {len(args)} arguments after the model; "
-          "count the batch's positions from the model at 0."
-        )
-
-    # The state sits at 0, where the model was, so argument numbers (and
-    # jaccum's error messages) count as in the user's call.
-    def step(state, *args, **kwargs):
-      params = kwargs.pop(_PARAMS)
-      other, rest, nodes_state = state
-
-      def loss_of(params, other):
-        # Fresh variables (copy=True) belong to this trace, so BatchNorm and
-        # nnx.Rngs may update them.
-        module = nnx.merge(graphdef, params, other, rest, copy=True)
-        node_args, node_kwargs = nnx.merge(nodes_def, nodes_state, copy=True)
-        it = iter(node_args)
-        full_args = [
-          next(it) if a is None and i in node_at else a
-          for i, a in enumerate(args, start=1)
-        ]
-        out = loss_fn(module, *full_args, **kwargs, **node_kwargs)
-        loss, aux = _split_loss(out, has_aux)
-        _, _, new_other, new_rest = nnx.split(module, nnx.All(wrt, nnx.Param), wrt, ...)
-        _, new_nodes = nnx.split((node_args, node_kwargs))
-        new_state = (new_other, new_rest, new_nodes)
-        if jax.tree.structure(new_state) != jax.tree.structure(state):
-          raise TypeError(
-            "loss_fn must not add or remove model variables (e.g. with sow): "
-            "their state is carried from micro-batch to micro-batch; before "
-            f"{jax.tree.structure(state)}, after {jax.tree.structure(new_state)}."
-          )
-        return loss, (aux, new_state)
-
-      grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
-      (loss, (aux, new_state)), (param_grads, other_grads) = grad_fn(params, other)
-      grads = nnx.merge_state(param_grads, other_grads)
-      # nnx's output structure, so a `reduce` tree reads the same.
-      if return_value:
-        out = ((loss, aux), grads) if has_aux else (loss, grads)
-      else:
-        out = (grads, aux) if has_aux else grads
-      if has_aux:
-        rows = next(
-          (jnp.shape(x)[0] for i in batch_slots for x in jax.tree.leaves(args[i - 1])),
-          0,
-        )
-        try:
-          modes = jax.tree.broadcast(options.get("reduce", "mean"), out)
-        except ValueError:
-          pass  # accumulate names the bad reduce tree
-        else:
-          aux_modes = modes[0][1] if return_value else modes[1]
-          _reduce.warn_averaged_rows(
-            aux,
-            aux_modes,
-            rows,
-            'e.g. reduce=(("mean", "concat"), "mean") for value_and_grad('
-            "has_aux=True) returning (loss, logits)",
-          )
-      return out, new_state
-
-    batch_slots = [
-      i % (len(args) + 1) for i in ((batch,) if isinstance(batch, int) else batch)
-    ]
-    run = accumulate(
-      step,
-      num_microbatches,
-      **{**options, "batch_argnums": batch},
-      state_argnum=0,
-      grad_leaves=grad_leaves,
-    )
-    result = run(
-      (other, rest, nodes_state), *call_args, **call_kwargs, **{_PARAMS: params}
-    )
+    run = _accumulator(step, num_microbatches, options, on_mesh, call, grad_leaves)
+    result = run(params, *call.args, (other, rest, nodes_state), **call.kwargs)
     stats = None
     if options.get("return_stats"):
       result, stats = result
     out, (new_other, new_rest, new_nodes) = result
     nnx.update(model, new_other, new_rest)
-    nnx.update(nodes, new_nodes)
+    nnx.update(call.nodes, new_nodes)
     return out if stats is None else (out, stats)
 
   return accumulated
@@ -317,7 +400,9 @@ def value_and_grad(
     >>> losses[2] < losses[0]
     True
   """
-  return _transform(loss_fn, num_microbatches, has_aux, True, wrt, accumulate_kwargs)
+  return _transform(
+    loss_fn, num_microbatches, has_aux, True, wrt, None, accumulate_kwargs
+  )
 
 
 def grad(
@@ -343,4 +428,6 @@ def grad(
     >>> bool(jnp.allclose(grads["bias"][...], nnx.grad(loss_fn)(model, x)["bias"][...]))
     True
   """
-  return _transform(loss_fn, num_microbatches, has_aux, False, wrt, accumulate_kwargs)
+  return _transform(
+    loss_fn, num_microbatches, has_aux, False, wrt, None, accumulate_kwargs
+  )
