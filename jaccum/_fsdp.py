@@ -149,7 +149,9 @@ def tied(shard: jax.Array, tie: jax.Array) -> jax.Array:
   """
   if not jnp.issubdtype(shard.dtype, jnp.inexact) or tie.size == 0:
     return shard
-  element = jnp.reshape(tie, (-1,))[0]
+  element = tie[
+    (0,) * tie.ndim
+  ]  # not a reshape: on an explicit mesh it would need a sharding
   flag = jnp.isnan(element) if jnp.issubdtype(element.dtype, jnp.inexact) else element
   return shard + flag.astype(shard.dtype) * 0
 

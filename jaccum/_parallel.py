@@ -125,7 +125,8 @@ def _check_per_device_leaves(
 
 def _cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
   """What usually makes `grad_fn` fail per device, and what to write instead."""
-  if "with_sharding_constraint can only refer to Auto axes" in str(error):
+  message = str(error)
+  if "with_sharding_constraint can only refer to Auto axes" in message:
     # A bare PartitionSpec is resolved against the mesh in context, whose data
     # axes are manual inside the per-device loop; a NamedSharding names its
     # own mesh, and jaccum takes the data axes out of it.
@@ -136,6 +137,14 @@ def _cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
       f"NamedSharding(mesh, P(...)) (jaccum drops the data axes from it: each "
       f"device holds its rows already), or leave {axes} out of the spec, and "
       f"the loop runs per device."
+    )
+  if "cannot contain axis names that are of type Auto or Manual" in message:
+    return (
+      f"The cause is an out_sharding= (or reshard) that names {axes}: inside "
+      f"the per-device loop those axes are manual, and JAX takes only explicit "
+      f"axes there. Models written for explicit sharding name the batch axis; "
+      f"on an auto mesh (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))) "
+      f"with sharding constraints instead, the loop runs per device."
     )
   return (
     "The usual cause is an array that grad_fn closes over (on an explicit "

@@ -144,13 +144,11 @@ def fsdp_specs(
   for spec in specs:
     if not is_spec(spec):
       raise TypeError(f"param_specs leaves must be PartitionSpecs, got {spec!r}.")
-    others = {a for e in spec for a in spec_axes(e)} - set(axes)
-    if others:
+    unknown = {a for e in spec for a in spec_axes(e)} - set(mesh_shape)
+    if unknown:
       raise ValueError(
-        f"param_specs entry {spec} names {sorted(others)}, which are not the data "
-        f"axes {axes}: param_specs says how params are sharded over the data axes "
-        "(FSDP). Params sharded over other mesh axes keep that sharding; leave "
-        "those axes out of param_specs."
+        f"param_specs entry {spec} names {sorted(unknown)}, which are not axes "
+        f"of the mesh ({', '.join(mesh_shape)})."
       )
     sharded_dim(spec, axes)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 from jaccum import _reduce
 from jaccum._accumulate import accumulate
+from jaccum._parallel import data_parallel
 
 __all__ = ["value_and_grad"]
 
@@ -90,6 +92,10 @@ def value_and_grad(
   num_microbatches: int,
   *,
   has_aux: bool = False,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  axis: str | tuple[str, ...] = "data",
+  param_specs: Any = None,
+  fsdp_mode: str = "gather_once",
   **accumulate_kwargs: Any,
 ) -> Callable[..., Any]:
   """Accumulated `jax.value_and_grad` for Linen: `f(params, batch_stats, batch[, rng])`.
@@ -129,7 +135,11 @@ def value_and_grad(
   Under `pmap` (or `shard_map`) pass `axis_name`: the gradients and the loss
   are then combined over devices once, after the loop, and the statistics
   are averaged over devices as Flax's examples do with `lax.pmean`; both
-  `pmean` calls of the example become redundant.
+  `pmean` calls of the example become redundant. Under plain `jit` on a
+  mesh, pass `mesh=` (and `axis=`, `param_specs=`, `fsdp_mode=`): the step
+  then runs as `jaccum.data_parallel` runs it, each device over its own
+  rows, params sharded over other axes (tensor parallel) kept so, over the
+  data axes sharded as FSDP.
 
   Args:
     loss_fn: `loss_fn(params, batch_stats, batch, rng, **kwargs)`, or without
@@ -139,6 +149,15 @@ def value_and_grad(
     has_aux: whether `loss_fn` returns `(loss, aux)`. With `has_aux=False`
       the statistics come back unchanged, as the whole batch would drop
       them.
+    mesh: run on this mesh as `jaccum.data_parallel` does (None: as
+      `jaccum.accumulate` does, or on the mesh `jax.set_mesh` set if
+      `param_specs` or `fsdp_mode` is given).
+    axis: the mesh axis (or axes) the batch is split over.
+    param_specs: a `PartitionSpec` per leaf of `params` (or a prefix);
+      entries naming `axis` shard a leaf as FSDP, other axes (tensor
+      parallel) are kept.
+    fsdp_mode: `"gather_once"`, `"shard_grads"` or `"shard_all"`, as for
+      `jaccum.data_parallel`.
     **accumulate_kwargs: passed to `jaccum.accumulate` (`reduce`,
       `weight_fn`, `accum_dtype`, `axis_name`, `split`, `unroll`, …).
       `reduce` is a prefix of `((loss, aux), grads)` (or `(loss, grads)`);
@@ -201,6 +220,11 @@ def value_and_grad(
     options["weight_fn"] = lambda params, batch_stats, batch, *key: weight_fn(batch)
   reduce = options.get("reduce", "mean")
   grad_leaves = ((False, False), True) if has_aux else (False, True)
+  on_mesh = None
+  if mesh is not None or param_specs is not None or fsdp_mode != "gather_once":
+    on_mesh = functools.partial(
+      data_parallel, mesh=mesh, axis=axis, param_specs=param_specs, fsdp_mode=fsdp_mode
+    )
   # Check num_microbatches and the options now rather than at the first call.
   accumulate(loss_fn, num_microbatches, state_argnum=1, **options)
 
@@ -238,7 +262,7 @@ def value_and_grad(
       _warn_per_example_aux(rest, reduce, rows)
       return ((loss, rest), grads), new_stats
 
-    run = accumulate(
+    run = (on_mesh or accumulate)(
       step,
       num_microbatches,
       **options,

@@ -21,6 +21,8 @@ from jaccum._parallel import data_parallel
 
 __all__ = ["grad", "value_and_grad"]
 
+P = jax.sharding.PartitionSpec
+
 
 def _split_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
   """Returns `(loss, aux)` from `loss_fn`'s output, or raises saying what is wrong."""
@@ -78,6 +80,33 @@ class _Mesh(NamedTuple):
   axis: str | tuple[str, ...]
   param_specs: Any
   fsdp_mode: str
+
+
+def _on_mesh(mesh: Any, axis: Any, param_specs: Any, fsdp_mode: str) -> _Mesh | None:
+  """`data_parallel`'s route when any of its options is given, else None."""
+  if mesh is None and param_specs is None and fsdp_mode == "gather_once":
+    return None
+  return _Mesh(mesh, axis, param_specs, fsdp_mode)
+
+
+def _specs_of(params: Any) -> Any:
+  """Each param's `PartitionSpec`, from its sharding metadata (`with_partitioning`).
+
+  Variables without it are replicated (`P()`).
+  """
+
+  def spec(variable: Any) -> P:
+    metadata = variable.get_metadata()
+    sharding = metadata.get("out_sharding", metadata.get("sharding"))
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return sharding.spec
+    if isinstance(sharding, P):
+      return sharding
+    if isinstance(sharding, tuple | list):
+      return P(*sharding)
+    return P()
+
+  return jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _checked_options(accumulate_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +297,13 @@ def _accumulator(
   return data_parallel(step, num_microbatches, **on_mesh._asdict(), **options)
 
 
+def _with_specs(on_mesh: _Mesh | None, params: Any) -> _Mesh | None:
+  """The mesh route with each param's spec: given, or its sharding metadata's."""
+  if on_mesh is None or on_mesh.param_specs is not None:
+    return on_mesh
+  return on_mesh._replace(param_specs=_specs_of(params))
+
+
 def _transform(
   loss_fn: Callable[..., Any],
   num_microbatches: int,
@@ -304,7 +340,9 @@ def _transform(
       call,
       options.get("reduce", "mean"),
     )
-    run = _accumulator(step, num_microbatches, options, on_mesh, call, grad_leaves)
+    run = _accumulator(
+      step, num_microbatches, options, _with_specs(on_mesh, params), call, grad_leaves
+    )
     result = run(params, *call.args, (other, rest, nodes_state), **call.kwargs)
     stats = None
     if options.get("return_stats"):
@@ -323,6 +361,10 @@ def value_and_grad(
   *,
   has_aux: bool = False,
   wrt: Any = nnx.Param,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  axis: str | tuple[str, ...] = "data",
+  param_specs: Any = None,
+  fsdp_mode: str = "gather_once",
   **accumulate_kwargs: Any,
 ) -> Callable[..., Any]:
   """Accumulated `nnx.value_and_grad`: `f(model, *batch)` over K micro-batches.
@@ -342,7 +384,9 @@ def value_and_grad(
   not add variables (`sow`). Works with or without `nnx.jit`, and on a batch
   sharded over an explicit mesh (see `jaccum.accumulate`); the params reach
   every micro-step as an argument, so inside `shard_map` with `axis_name`
-  their gradients are not summed per micro-batch.
+  their gradients are not summed per micro-batch. On many devices under
+  `nnx.jit`, pass `mesh=` (as Flax's miniGPT tutorial builds it): the model
+  as it is, its variables sharded as their metadata says.
 
   An `aux` leaf that holds one row per example is averaged over micro-batches
   by default, which is rarely what is wanted: a warning names it. Keep its
@@ -357,6 +401,19 @@ def value_and_grad(
       the loss (`"mean"` unless `reduce` says otherwise).
     wrt: an nnx filter of the variables to differentiate, as in
       `nnx.Optimizer(model, tx, wrt=...)`.
+    mesh: run on this mesh as `jaccum.data_parallel` does: each device over
+      its own rows of the batch, nothing communicated over `axis` inside
+      the loop, one reduction after it (None: as `jaccum.accumulate` does,
+      or on the mesh `jax.set_mesh` set if `param_specs` or `fsdp_mode` is
+      given).
+    axis: the mesh axis (or axes) the batch is split over.
+    param_specs: a `PartitionSpec` per `wrt` variable (a prefix of the
+      `nnx.State` of them); None reads each variable's sharding metadata
+      (`nnx.with_partitioning`), `P()` where it has none. Entries naming
+      `axis` shard a variable as FSDP; other axes (tensor parallel) are kept,
+      never gathered.
+    fsdp_mode: `"gather_once"`, `"shard_grads"` or `"shard_all"`, as for
+      `jaccum.data_parallel`.
     **accumulate_kwargs: passed to `jaccum.accumulate`. Argument numbers
       count as in the call `f(model, *batch)`, the model being 0:
       `batch_argnums` defaults to every positional argument after the model
@@ -400,8 +457,9 @@ def value_and_grad(
     >>> losses[2] < losses[0]
     True
   """
+  on_mesh = _on_mesh(mesh, axis, param_specs, fsdp_mode)
   return _transform(
-    loss_fn, num_microbatches, has_aux, True, wrt, None, accumulate_kwargs
+    loss_fn, num_microbatches, has_aux, True, wrt, on_mesh, accumulate_kwargs
   )
 
 
@@ -411,6 +469,10 @@ def grad(
   *,
   has_aux: bool = False,
   wrt: Any = nnx.Param,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  axis: str | tuple[str, ...] = "data",
+  param_specs: Any = None,
+  fsdp_mode: str = "gather_once",
   **accumulate_kwargs: Any,
 ) -> Callable[..., Any]:
   """Accumulated `nnx.grad`: like `value_and_grad`, returning `grads` only.
@@ -428,6 +490,7 @@ def grad(
     >>> bool(jnp.allclose(grads["bias"][...], nnx.grad(loss_fn)(model, x)["bias"][...]))
     True
   """
+  on_mesh = _on_mesh(mesh, axis, param_specs, fsdp_mode)
   return _transform(
-    loss_fn, num_microbatches, has_aux, False, wrt, None, accumulate_kwargs
+    loss_fn, num_microbatches, has_aux, False, wrt, on_mesh, accumulate_kwargs
   )

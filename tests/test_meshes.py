@@ -1,0 +1,382 @@
+"""The meshes big models train on: FSDP with tensor parallelism, NNX and Linen on them.
+
+A (data=4, model=2) mesh, as Flax's miniGPT tutorial builds it, and a
+(data=2, fsdp=2, tensor=2) mesh, as MaxText does: params split over the data
+axes (FSDP, or HSDP over "fsdp" only) and over the model axes (Megatron's
+column- and row-parallel matrices), every `fsdp_mode`, against the whole
+batch's `jax.grad`. `CollectiveCounts.by_axis` says what runs where: the
+model's own collectives over "model" or "tensor" inside the loop, nothing
+over a data axis there in `"gather_once"`.
+"""
+
+import contextlib
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaccum
+import jaccum.inspect
+
+MODES = ["gather_once", "shard_grads", "shard_all"]
+WIDTH, HIDDEN, HEADS = 16, 32, 4
+
+
+def mesh_2d():
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def mesh_3d():
+  return jax.make_mesh(
+    (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3
+  )
+
+
+def block_params(seed=0, dtype=jnp.float32):
+  """A pre-LN transformer block: attention and MLP, Megatron-shaped."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), dtype)
+  return {
+    "qkv": normal(WIDTH, 3 * WIDTH),  # column parallel: heads split over model
+    "out": normal(WIDTH, WIDTH),  # row parallel
+    "up": normal(WIDTH, HIDDEN),  # column parallel
+    "down": normal(HIDDEN, WIDTH),  # row parallel
+    "scale": jnp.ones(WIDTH, dtype),
+  }
+
+
+def block_specs(data, model):
+  """FSDP over `data` on the dimension tensor parallelism leaves whole."""
+  return {
+    "qkv": P(data, model),
+    "out": P(model, data),
+    "up": P(data, model),
+    "down": P(model, data),
+    "scale": P(data),
+  }
+
+
+def block_loss(params, tokens):
+  def norm(x):
+    x32 = x.astype(jnp.float32)
+    scaled = x32 * jax.lax.rsqrt(jnp.mean(x32**2, -1, keepdims=True) + 1e-6)
+    return (scaled * params["scale"].astype(jnp.float32)).astype(x.dtype)
+
+  x = tokens
+  q, k, v = jnp.split(norm(x) @ params["qkv"], 3, axis=-1)
+  heads = lambda t: t.reshape(*t.shape[:2], HEADS, WIDTH // HEADS)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)) / np.sqrt(WIDTH // HEADS)
+  causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+  weights = jax.nn.softmax(jnp.where(causal, scores, -1e9).astype(jnp.float32), -1)
+  mixed = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(x.dtype), heads(v))
+  x = x + mixed.reshape(x.shape) @ params["out"]
+  x = x + jax.nn.gelu(norm(x) @ params["up"]) @ params["down"]
+  return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
+def tokens(batch, seed=1, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.normal(size=(batch, 6, WIDTH)), dtype)
+
+
+def placed(mesh, params, specs, batch, batch_axes):
+  params = {
+    k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()
+  }
+  return params, jax.device_put(batch, NamedSharding(mesh, P(batch_axes)))
+
+
+CASES = {
+  # mesh, the batch's axes, the params' FSDP axis, the model axis
+  "data4_model2": (mesh_2d, "data", "data", "model"),
+  "data2_fsdp2_tensor2": (mesh_3d, ("data", "fsdp"), "fsdp", "tensor"),
+}
+
+
+@contextlib.contextmanager
+def stderr_of_xla():
+  """What XLA's C++ code writes to stderr meanwhile (file descriptor 2)."""
+  with tempfile.TemporaryFile(mode="w+") as file:
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    text: list[str] = []
+    try:
+      yield text
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      file.seek(0)
+      text.append(file.read())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+  ("mode", "num_microbatches"),
+  [("gather_once", 1), ("gather_once", 4), ("shard_grads", 4), ("shard_all", 4)],
+)
+def test_fsdp_with_tensor_parallelism_is_the_whole_batch_gradient(
+  case, mode, num_microbatches
+):
+  """Exact, sharded like the params, and compiled without XLA rematerialising
+  whole arrays (it warns on stderr; a spec that dropped the model axis made
+  78 such warnings)."""
+  make_mesh, batch_axes, fsdp_axis, model_axis = CASES[case]
+  mesh = make_mesh()
+  specs = block_specs(fsdp_axis, model_axis)
+  params, batch = placed(mesh, block_params(), specs, tokens(32), batch_axes)
+  step = jax.jit(
+    jaccum.data_parallel(
+      jax.grad(block_loss),
+      num_microbatches,
+      mesh=mesh,
+      axis=batch_axes,
+      param_specs=specs,
+      fsdp_mode=mode,
+    )
+  )
+  with stderr_of_xla() as stderr:
+    compiled = step.lower(params, batch).compile()
+  assert "Involuntary full rematerialization" not in stderr[0], stderr[0][-2000:]
+  grads = compiled(params, batch)
+  assert_trees_close(grads, jax.grad(block_loss)(params, batch), rtol=2e-5)
+  # Gradients leave sharded like their params: FSDP and tensor parallel axes.
+  for name, grad in grads.items():
+    assert grad.sharding.is_equivalent_to(NamedSharding(mesh, specs[name]), grad.ndim)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_by_axis_the_model_axis_communicates_in_the_loop_the_data_axes_after(case):
+  """gather_once: whatever the model axes do inside the loop, nothing crosses a
+  data axis there; the data axes reduce once after it. With the sharded
+  modes, FSDP's gathers and scatters cross only the params' FSDP axis."""
+  make_mesh, batch_axes, fsdp_axis, model_axis = CASES[case]
+  mesh = make_mesh()
+  specs = block_specs(fsdp_axis, model_axis)
+  params, batch = placed(mesh, block_params(), specs, tokens(32), batch_axes)
+  data_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+  for mode in MODES:
+    step = jax.jit(
+      jaccum.data_parallel(
+        jax.grad(block_loss),
+        4,
+        mesh=mesh,
+        axis=batch_axes,
+        param_specs=specs,
+        fsdp_mode=mode,
+      )
+    )
+    by_axis = jaccum.inspect.collectives(step, params, batch).by_axis
+    over_data = {
+      key: count
+      for key, count in by_axis.items()
+      if key is None or set((key,) if isinstance(key, str) else key) & set(data_axes)
+    }
+    inside = {key: count.inside_loops for key, count in over_data.items()}
+    assert by_axis[model_axis].inside_loops > 0, (mode, dict(by_axis))
+    if mode == "gather_once":
+      assert not any(inside.values()), (mode, inside)
+      # The one reduction: a reduce-scatter of every gradient over the data axes.
+      assert sum(c.outside_loops for c in over_data.values()) > 0, over_data
+    else:  # FSDP's own: gathers (shard_all) and scatters over the FSDP axis
+      assert set(k for k, n in inside.items() if n) == {fsdp_axis}, (mode, inside)
+
+
+def test_bf16_params_with_fsdp_and_tensor_parallelism_accumulate_in_float32():
+  mesh = mesh_2d()
+  specs = block_specs("data", "model")
+  params32 = block_params()
+  params, batch = placed(
+    mesh,
+    jax.tree.map(lambda p: p.astype(jnp.bfloat16), params32),
+    specs,
+    tokens(32, dtype=jnp.bfloat16),
+    "data",
+  )
+  expected = jax.grad(block_loss)(
+    jax.tree.map(lambda p: p.astype(jnp.float32), params), batch.astype(jnp.float32)
+  )
+  for mode in MODES:
+    step = jax.jit(
+      jaccum.data_parallel(
+        jax.grad(block_loss), 4, mesh=mesh, param_specs=specs, fsdp_mode=mode
+      )
+    )
+    grads = step(params, batch)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+    # bf16 forward and backward: a few bf16 roundings (2^-8 each) of the
+    # float32 result; the float32 accumulator adds none per micro-batch.
+    assert_trees_close(
+      jax.tree.map(lambda g: g.astype(jnp.float32), grads), expected, rtol=0.05
+    )
+
+
+def nnx_model(mesh, data_spec=None):
+  """A miniGPT-style block in NNX, partitioned as the tutorial writes it."""
+  from flax import nnx
+
+  def part(init, spec):
+    return nnx.with_partitioning(init, NamedSharding(mesh, spec))
+
+  xavier, zeros = nnx.initializers.xavier_uniform(), nnx.initializers.zeros_init()
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.mha = nnx.MultiHeadAttention(
+        num_heads=2,
+        in_features=WIDTH,
+        kernel_init=part(xavier, P(None, "model")),
+        bias_init=part(zeros, P("model")),
+        decode=False,
+        rngs=rngs,
+      )
+      self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+      self.up = nnx.Linear(
+        WIDTH, HIDDEN, kernel_init=part(xavier, P(data_spec, "model")), rngs=rngs
+      )
+      self.down = nnx.Linear(
+        HIDDEN, WIDTH, kernel_init=part(xavier, P("model", data_spec)), rngs=rngs
+      )
+      self.head = nnx.Linear(WIDTH, 11, rngs=rngs)
+
+    def __call__(self, x):
+      mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1])))
+      x = self.norm(x + self.mha(x, mask=mask))
+      return self.head(x + self.down(nnx.relu(self.up(x))))
+
+  return Block(nnx.Rngs(0))
+
+
+def nnx_loss(model, batch):
+  logits = model(batch[0])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+  return loss, logits
+
+
+def nnx_batch(mesh):
+  rng = np.random.default_rng(2)
+  inputs = jnp.asarray(rng.normal(size=(32, 6, WIDTH)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 11, size=(32, 6)))
+  return jax.device_put((inputs, targets), NamedSharding(mesh, P("batch", None)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_nnx_minigpt_step_runs_on_its_mesh_with_the_model_as_it_is(mode):
+  """The tutorial's mesh and partitioning; FSDP from the variables' metadata
+  (the MLP's kernels also name "batch"). The port changes the gradient line."""
+  from flax import nnx
+
+  import jaccum.nnx
+
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("batch", "model"))
+  model = nnx_model(mesh, data_spec="batch")
+  batch = nnx_batch(mesh)
+
+  @nnx.jit
+  def whole(model, batch):
+    return nnx.value_and_grad(nnx_loss, has_aux=True)(model, batch)
+
+  @nnx.jit
+  def accumulated(model, batch):
+    grad_fn = jaccum.nnx.value_and_grad(
+      nnx_loss,
+      4,
+      has_aux=True,
+      mesh=mesh,
+      axis="batch",
+      fsdp_mode=mode,
+      reduce=(("mean", "concat"), "mean"),
+    )
+    return grad_fn(model, batch)
+
+  (loss, logits), grads = whole(model, batch)
+  with stderr_of_xla() as stderr:
+    (acc_loss, acc_logits), acc_grads = accumulated(model, batch)
+  assert "Involuntary full rematerialization" not in stderr[0], stderr[0][-2000:]
+  assert_trees_close((acc_loss, acc_logits), (loss, logits), rtol=2e-6)
+  # The key projection's bias gets no gradient (softmax ignores a shift of
+  # every score): only float32 rounding, below 1e-8, remains there.
+  assert_trees_close(acc_grads, grads, rtol=2e-5, atol=1e-8)
+  by_axis = jaccum.inspect.collectives(accumulated, model, batch).by_axis
+  if mode == "gather_once":
+    assert by_axis["batch"].inside_loops == 0, dict(by_axis)
+  assert by_axis["model"].inside_loops > 0
+
+
+def test_linen_on_a_mesh_with_fsdp_and_tensor_parallel_params():
+  import flax.linen as nn
+
+  import jaccum.linen
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Dense(HIDDEN, name="up")(x))
+      return nn.Dense(1, name="down")(x)[:, 0]
+
+  def loss_fn(params, batch_stats, batch):
+    pred = Mlp().apply({"params": params}, batch["x"])
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+  mesh = mesh_2d()
+  rng = np.random.default_rng(3)
+  batch = {
+    "x": jnp.asarray(rng.normal(size=(32, WIDTH)), jnp.float32),
+    "y": jnp.asarray(rng.normal(size=32), jnp.float32),
+  }
+  init = Mlp().init(jax.random.key(0), batch["x"])["params"]
+  specs = {
+    "up": {"kernel": P("data", "model"), "bias": P("model")},
+    "down": {"kernel": P("model"), "bias": P()},
+  }
+  params = jax.tree.map(
+    lambda p, s: jax.device_put(p, NamedSharding(mesh, s)), init, specs
+  )
+  placed_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  expected = jax.value_and_grad(loss_fn)(init, {}, batch)
+  for mode in MODES:
+    grad_fn = jaccum.linen.value_and_grad(
+      loss_fn, 2, mesh=mesh, param_specs=specs, fsdp_mode=mode
+    )
+    got = jax.jit(grad_fn)(params, {}, placed_batch)
+    assert_trees_close(got, expected, rtol=2e-6)
+    assert got[1]["up"]["kernel"].sharding.is_equivalent_to(
+      NamedSharding(mesh, specs["up"]["kernel"]), 2
+    )
+
+
+def test_specs_that_drop_the_model_axis_make_xla_rematerialise_and_the_check_sees_it():
+  """The check above can fail: the 2-D kernels given P("batch"), which drops
+  their model sharding, is what made XLA rematerialise whole arrays."""
+  from flax import nnx
+
+  import jaccum.nnx
+
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("batch", "model"))
+  model = nnx_model(mesh)
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  dropped = jax.tree.map(
+    lambda x: P("batch") if x.ndim == 2 and x.shape[0] % 4 == 0 else P(), params
+  )
+
+  @nnx.jit
+  def accumulated(model, batch):
+    return jaccum.nnx.value_and_grad(
+      nnx_loss,
+      4,
+      has_aux=True,
+      mesh=mesh,
+      axis="batch",
+      param_specs=dropped,
+      fsdp_mode="shard_all",
+    )(model, batch)
+
+  with stderr_of_xla() as stderr:
+    accumulated(model, nnx_batch(mesh))
+  assert "Involuntary full rematerialization" in stderr[0]
