@@ -415,6 +415,36 @@ def fsdp_section(fsdp: dict[str, Any]) -> str:
         rows,
         "rrrlrrrrr",
       ),
+      *([fsdp_3d_section(fsdp["mesh_3d"])] if fsdp.get("mesh_3d") else []),
+    ]
+  )
+
+
+def fsdp_3d_section(rows: list[dict[str, Any]]) -> str:
+  axes = sorted({key for r in rows for key in r["bytes_per_step_by_axis"]})
+  mib = lambda b: f"{b / 2**20:.2f}"
+  table = [
+    [
+      r["mode"],
+      mib(r["temp_bytes"]),
+      *(mib(r["bytes_per_step_by_axis"].get(axis, 0)) for axis in axes),
+    ]
+    for r in rows
+  ]
+  first = rows[0]
+  return "\n".join(
+    [
+      "\n### On a data × fsdp × tensor mesh (2 × 2 × 2)\n",
+      f"Width {first['width']}, K = {first['K']}, params "
+      f"{mib(first['params_bytes'])} MiB: FSDP over `fsdp`, replicas over "
+      "`data`, each layer's output dimension over `tensor`. Per device, from "
+      "the compiled program: temporaries, and the bytes on the wire per step "
+      "over each mesh axis (`jaccum.inspect.collectives(...).by_axis`).\n",
+      markdown_table(
+        ["mode", "temporaries MiB", *(f"{axis} MiB/step" for axis in axes)],
+        table,
+        "l" + "r" * (1 + len(axes)),
+      ),
     ]
   )
 

@@ -198,8 +198,9 @@ def _as_the_whole_batch(
     f"jaccum could not run grad_fn on each device's rows under shard_map "
     f"({type(error).__name__}: {first_line[:300]}), so it runs the loop as the "
     f"whole batch's step runs, sharded over {axes}: the result is the same, but "
-    f"XLA may communicate inside the loop (check with "
-    f"jaccum.inspect.collectives). {_cause_and_fix(error, axes)}",
+    f"XLA may communicate over {axes} inside the loop (count it with "
+    f"jaccum.inspect.collectives(step, *args).by_axis). "
+    f"{_cause_and_fix(error, axes)}",
     stacklevel=4,
   )
   return out
