@@ -14,7 +14,6 @@ accumulator's dtype as `accumulate` has them); on many devices the rows of
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +23,15 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _config, _loop, _parallel, _reduce
+from jaccum import (
+  _collective,
+  _config,
+  _loop,
+  _parallel,
+  _placement,
+  _reduce,
+  _step,
+)
 from jaccum._config import Config, Positions
 from jaccum._microbatch import Split, check_batch
 
@@ -46,7 +53,7 @@ class _TracedOnce:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     flat, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [isinstance(x, _loop.ARRAY_TYPES) for x in flat]
+    dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
     values = [x for x, d in zip(flat, dynamic, strict=True) if d]
     if self._program is None:
 
@@ -185,7 +192,7 @@ def _loss_and_cotangents(
   try:
     loss, vjp = jax.vjp(loss_fn, params, reps)
   except Exception as error:
-    _loop.mark_user_error(error)
+    _step.mark_user_error(error)
     raise
   if (
     not isinstance(loss, jax.Array)
@@ -285,33 +292,24 @@ def _on_mesh(
   per device (on an explicit mesh, a function closing over arrays placed on
   it), the passes run as the whole batch's step runs, with a warning.
   """
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"axis={axes} names {missing}, not axes of the mesh {mesh}.")
-  num_devices = math.prod(mesh.shape[a] for a in axes)
-  batch_size = _batch_size(config, at, args)
-  per_step = num_devices * config.num_microbatches
-  if batch_size % per_step:
-    raise ValueError(
-      f"batch_size={batch_size} must be divisible by devices × num_microbatches "
-      f"= {num_devices} × {config.num_microbatches} = {per_step}: each of the "
-      f"{num_devices} devices of {axes} splits its own rows into the micro-batches."
-    )
-  explicit = all(
-    t == jax.sharding.AxisType.Explicit
-    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-    if n in axes
-  )
+  route = _parallel._route(config, at, args, mesh, axes, None, "gather_once")
   call = (tuple(args), dict(kwargs), config.bound_args, config.bound_kwargs)
   is_batch = (
     tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
     *(jax.tree.map(lambda _: False, part) for part in call[1:]),
   )
-  placed, in_specs = _parallel._placed_inputs(
-    call, is_batch, None, mesh=mesh, axes=axes, explicit=explicit, keep_sharded=False
+  # Params sharded over the data axes (on an explicit mesh) are gathered.
+  placed, in_specs = _placement.placed_inputs(
+    call,
+    is_batch,
+    None,
+    mesh=mesh,
+    axes=axes,
+    explicit=route.explicit,
+    keep_sharded=False,
   )
   flat, treedef = jax.tree.flatten(call)
-  dynamic = [isinstance(x, _loop.ARRAY_TYPES) for x in flat]
+  dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
 
   def per_device(*arrays):
     it = iter(arrays)
@@ -333,21 +331,21 @@ def _on_mesh(
   try:
     return both_passes(*placed)
   except Exception as error:
-    if not _loop.is_user_error(error):
+    if not _step.is_user_error(error):
       raise
     per_device_error = error
   try:
     out = _two_passes(config, at, args, kwargs, loss_fn)
   except Exception as whole_batch_error:
     raise whole_batch_error from per_device_error
+  first_line = (str(per_device_error).strip().splitlines() or [""])[0]
   warnings.warn(
     f"jaccum could not run encode_fn and loss_fn on each device's rows under "
-    f"shard_map ({type(per_device_error).__name__}: "
-    f"{str(per_device_error).strip()[:300]}), so both passes run as the whole "
-    f"batch's step runs, sharded over {axes}: the result is the same, but XLA "
-    f"may communicate inside the loops (check with jaccum.inspect.collectives). "
-    f"The usual cause is an array a function closes over (on an explicit mesh, "
-    f"any array placed on the mesh): pass it as an argument instead.",
+    f"shard_map ({type(per_device_error).__name__}: {first_line[:300]}), so both "
+    f"passes run as the whole batch's step runs, sharded over {axes}: the result "
+    f"is the same, but XLA may communicate inside the loops (check with "
+    f"jaccum.inspect.collectives). "
+    f"{_parallel._cause_and_fix(per_device_error, axes)}",
     stacklevel=3,
   )
   return out
@@ -365,7 +363,7 @@ def _check_params(args: Sequence[Any], at: Positions) -> None:
       f"...) and point {taken[0]} at another argument."
     )
   for path, leaf in jax.tree_util.tree_flatten_with_path(args[0])[0]:
-    if not isinstance(leaf, _loop.ARRAY_TYPES) or not _is_floating(leaf):
+    if not isinstance(leaf, _step.ARRAY_TYPES) or not _is_floating(leaf):
       got = jax.typeof(leaf) if isinstance(leaf, jax.Array) else repr(leaf)[:60]
       raise TypeError(
         f"params leaf args[0]{jax.tree_util.keystr(path)} must be a floating "
@@ -534,9 +532,9 @@ def accumulate_coupled(
       _loop.check_axes_bound(config.axes)
       out = _two_passes(config, at, args, kwargs, loss_fn, config.axes)
     elif mesh_axes is not None:
-      the_mesh = mesh if mesh is not None else _parallel._find_mesh(args, at)
+      the_mesh = mesh if mesh is not None else _placement.find_mesh(args, at)
       out = _on_mesh(config, at, args, kwargs, loss_fn, the_mesh, mesh_axes)
-    elif (route := _parallel.explicit_batch_axes(args, at)) is not None:
+    elif (route := _placement.explicit_batch_axes(args, at)) is not None:
       out = _on_mesh(config, at, args, kwargs, loss_fn, *route)
     else:
       out = _two_passes(config, at, args, kwargs, loss_fn)
