@@ -31,6 +31,9 @@ Parts, run in this order (`--parts` picks some):
   against every point of its grid, timed, on an MLP and a digits-sized CNN at
   three budgets each: the choice's rank, its time against the grid's best and
   against full remat at the smallest K that fits, and the compilations.
+* `coupled` (`coupled.py`): `jaccum.accumulate_coupled` on a CLIP loss over
+  two activation-dominated towers against the whole batch and GradCache
+  written by hand, K = 2 … 64: temporaries and step time.
 
 Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`):
 

@@ -92,6 +92,13 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
   return plan.run(args.quick, args.rounds)
 
 
+def _coupled(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import coupled
+
+  # In this process: one device, like the sweep's.
+  return coupled.run(args.quick, args.rounds)
+
+
 # name: how to run it. Parts run in this order, one at a time; the processes
 # of the distributed, fsdp, reduction and pipeline parts are waited for
 # before the next part starts.
@@ -106,6 +113,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "reduction": _reduction,
   "pipeline": _pipeline,
   "plan": _plan,
+  "coupled": _coupled,
 }
 
 

@@ -3,6 +3,7 @@
 import importlib
 
 from jaccum._accumulate import accumulate
+from jaccum._coupled import accumulate_coupled
 from jaccum._fit import MicrobatchFit, fit_microbatches, fit_train_step
 from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
@@ -36,6 +37,7 @@ __all__ = [
   "PowerSGDState",
   "Remat",
   "accumulate",
+  "accumulate_coupled",
   "data_parallel",
   "fit_microbatches",
   "fit_plan",

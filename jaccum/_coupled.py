@@ -1,0 +1,543 @@
+"""`accumulate_coupled`: exact gradients of losses that couple the batch, in two passes.
+
+A contrastive loss (CLIP, SigLIP, in-batch negatives) or a batch statistic
+(mixture-of-experts load balancing) is not a sum over examples, so averaging
+per-micro-batch gradients computes another objective. The gradient splits
+at the per-row representations instead: the first pass computes every
+micro-batch's `reps` and keeps only them, the loss and its cotangents for
+`reps` are computed once on the whole batch's, and the second pass pulls
+each micro-batch's cotangent back through the encoder, recomputed. Both
+passes are `_loop.scan`s (keys, slicing, device-varying casts and the
+accumulator's dtype as `accumulate` has them); on many devices the rows of
+`reps` are gathered once between them and the gradients reduced once after.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+
+from jaccum import (
+  _collective,
+  _config,
+  _loop,
+  _parallel,
+  _placement,
+  _reduce,
+  _step,
+)
+from jaccum._config import Config, Positions
+from jaccum._microbatch import Split, check_batch
+
+P = jax.sharding.PartitionSpec
+
+
+class _TracedOnce:
+  """`fn` traced on its first call; every call, the first too, runs that program.
+
+  The second pass calls the encoder again, under `jax.vjp`: running the
+  program traced by the first keeps the user's function traced once per
+  compilation (and once more, abstractly, by `_check_rows`), whatever K.
+  `check(args, kwargs, out)` sees the first trace's tracers.
+  """
+
+  def __init__(self, fn: Callable[..., Any], check: Callable[..., None]):
+    self._fn, self._check = fn, check
+    self._program: Any = None
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    flat, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
+    values = [x for x, d in zip(flat, dynamic, strict=True) if d]
+    if self._program is None:
+
+      def traced(*values):
+        it = iter(values)
+        full = [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
+        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        out = self._fn(*call_args, **call_kwargs)
+        self._check(call_args, call_kwargs, out)
+        return out
+
+      closed, shape = jax.make_jaxpr(traced, return_shape=True)(*values)
+      self._program = closed, jax.tree.structure(shape)
+    closed, out_tree = self._program
+    out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
+    return jax.tree.unflatten(out_tree, out)
+
+
+def _check_rows(reps: Any, rows: int, at_twice: Callable[[], Any]) -> None:
+  """Refuses a `reps` leaf whose axis 0 is not the micro-batch's rows.
+
+  A leaf of `rows` rows may only happen to have them: `at_twice()` (the
+  output's shapes on a micro-batch of twice the rows, traced abstractly)
+  tells; a function that cannot run on other sizes is taken at its word.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(reps)[0]
+  for path, leaf in flat:
+    if np.shape(leaf)[:1] != (rows,):
+      raise ValueError(
+        f"reps{jax.tree_util.keystr(path)} (encode_fn's output) has shape "
+        f"{np.shape(leaf)}; every leaf of reps must have the micro-batch's {rows} "
+        f"rows on axis 0, one per example, so that loss_fn sees the whole batch's "
+        f"rows in order. A value that is not per row (a sum or a statistic over "
+        f"the micro-batch) cannot be split back to its rows: return the per-row "
+        f"values and reduce them in loss_fn."
+      )
+  try:
+    twice = jax.tree.leaves(at_twice())
+  except Exception:  # the function runs on `rows` rows only: cannot tell
+    return
+  for (path, _), bigger in zip(flat, twice, strict=True):
+    if np.shape(bigger)[:1] != (2 * rows,):
+      raise ValueError(
+        f"reps{jax.tree_util.keystr(path)} (encode_fn's output) has {rows} rows "
+        f"on a micro-batch of {rows}, but {np.shape(bigger)[:1]} on one of "
+        f"{2 * rows}: its axis 0 only happens to match the micro-batch's rows. "
+        f"Every leaf of reps must have one row per example on axis 0; reduce "
+        f"values that are not per row in loss_fn."
+      )
+
+
+def _check_state_only_read(state: Any, new_state: Any, state_argnum: int) -> None:
+  """Refuses state that `encode_fn` changes: only read state can be exact."""
+  if jax.tree.structure(new_state) != jax.tree.structure(state):
+    raise TypeError(
+      f"with state_argnum={state_argnum}, encode_fn must return (reps, state) "
+      f"with the state's structure {jax.tree.structure(state)}, got "
+      f"{jax.tree.structure(new_state)}."
+    )
+  flat = jax.tree_util.tree_flatten_with_path(new_state)[0]
+  for (path, new), old in zip(flat, jax.tree.leaves(state), strict=True):
+    if new is not old:
+      raise ValueError(
+        f"encode_fn changes the state at state_argnum={state_argnum} (new "
+        f"state{jax.tree_util.keystr(path)} is not the state it was given). "
+        f"accumulate_coupled runs encode_fn twice per micro-batch, and each "
+        f"micro-batch's statistics (BatchNorm in training mode) are not the "
+        f"whole batch's, so threaded state cannot be exact. Read the state "
+        f"without updating it (BatchNorm with use_running_average=True), and "
+        f"compute statistics of the whole batch in loss_fn from per-row reps."
+      )
+
+
+def _encoder(
+  config: Config, at: Positions, args: Sequence[Any], kwargs: dict[str, Any], rows: int
+) -> _TracedOnce:
+  """`encode_fn` as both passes call it, its output checked on the first call."""
+  num_bound = len(config.bound_args)
+
+  def check(call_args, call_kwargs, out):
+    reps = out
+    if at.state is not None:
+      if not isinstance(out, tuple | list) or len(out) != 2:
+        raise TypeError(
+          f"with state_argnum={at.state}, encode_fn must return (reps, state), "
+          f"got {type(out).__name__} {jax.tree.structure(out)}."
+        )
+      reps, new_state = out
+      state = call_args[num_bound + at.state]
+      _check_state_only_read(state, new_state, at.state)
+    _check_rows(
+      reps, rows, lambda: _loop.output_shapes_at(config, at, args, kwargs, 2 * rows)
+    )
+
+  return _TracedOnce(config.grad_fn, check)
+
+
+def _pullback(
+  encoder: _TracedOnce, num_bound: int, has_state: bool
+) -> Callable[..., Any]:
+  """The second pass's micro-step: a micro-batch's cotangent through `encode_fn`.
+
+  Called with the encoder's arguments and, last, the floating leaves' rows
+  of the cotangent; returns the gradient for the params (argument 0).
+  """
+
+  def pullback(*call_args, **kwargs):
+    *call_args, cotangent = call_args
+
+    def reps_of(params):
+      step_args = [*call_args[:num_bound], params, *call_args[num_bound + 1 :]]
+      out = encoder(*step_args, **kwargs)
+      return out[0] if has_state else out
+
+    reps, vjp = jax.vjp(reps_of, call_args[num_bound])
+    floating = iter(cotangent)
+    full = [
+      next(floating) if _is_floating(r) else np.zeros(r.shape, jax.dtypes.float0)
+      for r in jax.tree.leaves(reps)
+    ]
+    (grads,) = vjp(jax.tree.unflatten(jax.tree.structure(reps), full))
+    return grads
+
+  return pullback
+
+
+def _is_floating(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _loss_and_cotangents(
+  loss_fn: Callable[..., Any], params: Any, reps: Any
+) -> tuple[jax.Array, Any, list[jax.Array]]:
+  """`loss_fn(params, reps)`, its gradient for the params, and the floating
+  leaves of its cotangent for `reps`."""
+  try:
+    loss, vjp = jax.vjp(loss_fn, params, reps)
+  except Exception as error:
+    _step.mark_user_error(error)
+    raise
+  if (
+    not isinstance(loss, jax.Array)
+    or loss.shape != ()
+    or not jnp.issubdtype(loss.dtype, jnp.floating)
+  ):
+    got = jax.typeof(loss) if isinstance(loss, jax.Array) else type(loss).__name__
+    raise TypeError(
+      f"loss_fn(params, reps) must return a real floating scalar, got {got}."
+    )
+  direct, cotangents = vjp(jnp.ones_like(loss))
+  pairs = zip(jax.tree.leaves(cotangents), jax.tree.leaves(reps), strict=True)
+  floating = [g for g, r in pairs if _is_floating(r)]
+  return loss, direct, floating
+
+
+def _batch_size(config: Config, at: Positions, args: Sequence[Any]) -> int:
+  """The batch's rows, checked to split into K micro-batches."""
+  return check_batch(
+    [args[i] for i in at.batch],
+    config.num_microbatches,
+    names=[f"args[{i}]" for i in at.batch],
+    hint=_config.batch_hint(config, at),
+  )
+
+
+def _two_passes(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  loss_fn: Callable[..., Any],
+  axes: tuple[str, ...] | None = None,
+) -> tuple[jax.Array, Any]:
+  """`(loss, grads)` over this device's rows; with `axes`, over all devices'.
+
+  Inside `shard_map` (or `pmap`) over `axes`, every device gathers the
+  batch's `reps` (one all-gather), computes the loss and its cotangents on
+  all of them, pulls its own rows back, and one all-reduce sums the
+  gradients. The loss and its direct gradient, the same on every device,
+  enter that sum from device 0 only, so the result is invariant.
+  """
+  batch_size = _batch_size(config, at, args)
+  rows = batch_size // config.num_microbatches
+  encoder = _encoder(config, at, args, kwargs, rows)
+  has_state = at.state is not None
+  reps_of = encoder if not has_state else lambda *a, **k: encoder(*a, **k)[0]
+  passes = Positions(at.batch, at.rng, None)  # read-only state: an argument
+  first = _loop.scan(
+    config._replace(grad_fn=reps_of, reduce="concat"), passes, args, kwargs, axes=axes
+  )
+  reps = _reduce.finalize(first.leaves, first.acc, None, config.split)
+  if axes is not None:
+    reps = jax.lax.all_gather(reps, axes, axis=0, tiled=True)
+  params = args[0] if axes is None else _collective.cast_varying(args[0], axes)
+  loss, direct, cotangents = _loss_and_cotangents(loss_fn, params, reps)
+  if axes is not None:
+    first_device = jax.lax.axis_index(axes) == 0
+    cotangents = [
+      jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(axes) * batch_size, batch_size)
+      for g in cotangents
+    ]
+    # Computed alike on every device: counted once.
+    loss, direct = jax.tree.map(
+      lambda x: jnp.where(first_device, x, jnp.zeros_like(x)), (loss, direct)
+    )
+  second = _loop.scan(
+    config._replace(
+      grad_fn=_pullback(encoder, len(config.bound_args), has_state), reduce="sum"
+    ),
+    passes._replace(batch=(*at.batch, len(args))),
+    [*args, cotangents],
+    kwargs,
+    axes=axes,
+  )
+  acc = _reduce.update(second.leaves, second.acc, direct, jnp.int32(0))
+  if axes is not None:
+    acc, _, _, (loss,) = _collective.all_reduce(
+      second.leaves, acc, None, None, axes, extras=[loss]
+    )
+  return loss, _reduce.finalize(second.leaves, acc, None, config.split)
+
+
+def _on_mesh(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  loss_fn: Callable[..., Any],
+  mesh: Any,
+  axes: tuple[str, ...],
+) -> tuple[jax.Array, Any]:
+  """Both passes on every device's rows under `shard_map`, as `data_parallel` runs.
+
+  Without type checks (`check_vma=False`, as under `pmap`), the user's
+  functions see local arrays as on one device. Where JAX refuses to run them
+  per device (on an explicit mesh, a function closing over arrays placed on
+  it), the passes run as the whole batch's step runs, with a warning.
+  """
+  route = _parallel._route(config, at, args, mesh, axes, None, "gather_once")
+  call = (tuple(args), dict(kwargs), config.bound_args, config.bound_kwargs)
+  is_batch = (
+    tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
+    *(jax.tree.map(lambda _: False, part) for part in call[1:]),
+  )
+  # Params sharded over the data axes (on an explicit mesh) are gathered.
+  placed, in_specs = _placement.placed_inputs(
+    call,
+    is_batch,
+    None,
+    mesh=mesh,
+    axes=axes,
+    explicit=route.explicit,
+    keep_sharded=False,
+  )
+  flat, treedef = jax.tree.flatten(call)
+  dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
+
+  def per_device(*arrays):
+    it = iter(arrays)
+    full = [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
+    local_args, local_kwargs, bound_args, bound_kwargs = jax.tree.unflatten(
+      treedef, full
+    )
+    local = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
+    return _two_passes(local, at, local_args, local_kwargs, loss_fn, axes)
+
+  both_passes = jax.shard_map(
+    per_device,
+    mesh=mesh,
+    in_specs=tuple(in_specs),
+    out_specs=P(),
+    axis_names=set(axes),
+    check_vma=False,
+  )
+  try:
+    return both_passes(*placed)
+  except Exception as error:
+    if not _step.is_user_error(error):
+      raise
+    per_device_error = error
+  try:
+    out = _two_passes(config, at, args, kwargs, loss_fn)
+  except Exception as whole_batch_error:
+    raise whole_batch_error from per_device_error
+  first_line = (str(per_device_error).strip().splitlines() or [""])[0]
+  warnings.warn(
+    f"jaccum could not run encode_fn and loss_fn on each device's rows under "
+    f"shard_map ({type(per_device_error).__name__}: {first_line[:300]}), so both "
+    f"passes run as the whole batch's step runs, sharded over {axes}: the result "
+    f"is the same, but XLA may communicate inside the loops (check with "
+    f"jaccum.inspect.collectives). "
+    f"{_parallel._cause_and_fix(per_device_error, axes)}",
+    stacklevel=3,
+  )
+  return out
+
+
+def _check_params(args: Sequence[Any], at: Positions) -> None:
+  """Argument 0 is what is differentiated: floating arrays, not the batch or key."""
+  options = {"batch_argnums": at.batch, "rng_argnum": (at.rng,)}
+  options["state_argnum"] = (at.state,)
+  taken = [name for name, where in options.items() if 0 in where]
+  if taken:
+    raise ValueError(
+      f"{taken[0]} points at argument 0, which accumulate_coupled differentiates "
+      f"(the params, as jax.value_and_grad does): call it as f(params, batch, "
+      f"...) and point {taken[0]} at another argument."
+    )
+  for path, leaf in jax.tree_util.tree_flatten_with_path(args[0])[0]:
+    if not isinstance(leaf, _step.ARRAY_TYPES) or not _is_floating(leaf):
+      got = jax.typeof(leaf) if isinstance(leaf, jax.Array) else repr(leaf)[:60]
+      raise TypeError(
+        f"params leaf args[0]{jax.tree_util.keystr(path)} must be a floating "
+        f"array: accumulate_coupled differentiates every leaf of argument 0, "
+        f"as jax.value_and_grad does; got {got}. Pass other values as other "
+        f"arguments."
+      )
+
+
+def accumulate_coupled(
+  encode_fn: Callable[..., Any],
+  loss_fn: Callable[[Any, Any], jax.Array],
+  num_microbatches: int,
+  *,
+  batch_argnums: int | Sequence[int] = 1,
+  rng_argnum: int | None = None,
+  state_argnum: int | None = None,
+  split: Split = "strided",
+  accum_dtype: Any = jnp.float32,
+  axis_name: str | tuple[str, ...] | None = None,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  axis: str | tuple[str, ...] | None = None,
+  unroll: int | bool = 1,
+  conv_rewrite: bool = True,
+) -> Callable[..., Any]:
+  """Exact `value_and_grad` of a loss that couples the batch, over K micro-batches.
+
+  For losses that are not sums over examples: contrastive losses whose
+  negatives are the rest of the batch (CLIP, SigLIP, retrieval with in-batch
+  negatives), and batch statistics (a mixture of experts' load balancing).
+  Plain `accumulate` of such a loss optimises another objective, each
+  micro-batch seeing only its own negatives. Here the model splits into
+  `encode_fn`, which maps each example to its representations on its own,
+  and `loss_fn`, which couples them::
+
+    def coupled(params, batch, *rest):
+      reps = concat([encode_fn(params, batch_k, *rest) for k in range(K)])  # in order
+      loss, vjp = jax.vjp(loss_fn, params, reps)
+      direct, reps_cotangent = vjp(1.0)
+      grads = direct + sum(
+        jax.vjp(lambda p: encode_fn(p, batch_k, *rest), params)[1](reps_cotangent_k)[0]
+        for k in range(K))                                 # summed in float32
+      return loss, grads
+
+  which is `jax.value_and_grad(lambda p, b: loss_fn(p, encode_fn(p, b)))(params,
+  batch)` in exact arithmetic. The first pass keeps only `reps`, not the
+  encoder's activations; the second recomputes each micro-batch's forward
+  pass for its backward pass. Memory: the whole batch's `reps` and the
+  loss's own temporaries (a B × B logits matrix for in-batch negatives) plus
+  one micro-batch's activations. Work: one more forward pass than the whole
+  batch (about 4/3 of its FLOPs). `encode_fn` is traced once (and once more,
+  abstractly, to check that its output has one row per example).
+
+  Many devices. With `mesh=`/`axis=` (as `data_parallel` takes them), a batch
+  sharded on axis 0 over explicit mesh axes, or `axis_name` inside your own
+  `shard_map`, each device runs both passes on its own rows: its `reps` are
+  all-gathered once (rows × width), every device computes `loss_fn` on the
+  whole batch's `reps` and pulls back its own rows' cotangents, and one
+  all-reduce sums the gradients. No collective runs inside either loop. K is
+  then micro-batches per device: N must be a multiple of devices × K.
+
+  Args:
+    encode_fn: `encode_fn(params, microbatch, *rest, **kwargs) -> reps`, called
+      with the accumulated function's arguments, each batch argument cut to
+      one micro-batch. `reps` is a pytree whose every leaf has the
+      micro-batch's rows on axis 0 (embeddings, router probabilities, per-row
+      losses; integer leaves such as labels pass through undifferentiated).
+      Each row must depend on its own example only: statistics over rows
+      belong in `loss_fn`.
+    loss_fn: `loss_fn(params, reps) -> scalar`, with the whole batch's `reps`,
+      rows in the batch's order whatever `split` is; it may use the params
+      itself (a learnable temperature).
+    num_microbatches: K, a static positive int that divides the batch size.
+    batch_argnums: the positional argument(s) holding the batch. Argument 0 is
+      the params, which are differentiated.
+    rng_argnum: the positional argument holding a PRNG key: micro-batch k
+      sees `fold_in(key, k)` (on device d > 0 of a mesh, folded with d first),
+      the same key in both passes, so dropout is exact.
+    state_argnum: the positional argument holding state that `encode_fn`
+      returns as `(reps, state)`, e.g. Flax Linen's `mutable=` collections.
+      Only state the encoder reads can be exact: any leaf it changes is an
+      error. The call then returns `((loss, grads), state)`.
+    split: `"strided"` (micro-batch k holds rows k, k + K, …) or
+      `"contiguous"`; it decides which rows share a micro-batch (and a key),
+      never the order in which `loss_fn` sees them.
+    accum_dtype: gradients narrower than this are summed over the
+      micro-batches in it and cast back at the end; `None` keeps each leaf's
+      dtype.
+    axis_name: for use inside your own `shard_map` (or `pmap`): the mesh
+      axis (or axes) the batch is split over.
+    mesh: the device mesh for the data-parallel route (as `data_parallel`);
+      with `axis` and no mesh, the mesh set with `jax.set_mesh` or the
+      batch's.
+    axis: the mesh axis (or axes) of the data-parallel route, `"data"` when
+      only `mesh` is given.
+    unroll: passed to both passes' `lax.scan`.
+    conv_rewrite: as for `accumulate`: on CPU, convolutions in the loops take
+      XLA's fast layout.
+
+  Returns:
+    A function `f(params, batch, *rest, **kwargs) -> (loss, grads)` (or
+    `((loss, grads), state)` with `state_argnum`), the gradients in the
+    params' structure and dtypes, usable with or without `jit`.
+
+  Raises:
+    TypeError, ValueError: on bad options, when the returned function is
+      traced on arguments that do not fit them, for a `reps` leaf without one
+      row per example on axis 0, a `loss_fn` that does not return a floating
+      scalar, and state that `encode_fn` changes; the message names the
+      argument or the leaf path.
+
+  Examples:
+    A contrastive loss with in-batch negatives: 8 micro-batches of 4 rows
+    give the gradient of the whole batch of 32, all 32 × 32 pairs:
+
+    >>> import jax, jax.numpy as jnp, optax, jaccum
+    >>> def encode(params, batch):
+    ...   return {"x": jnp.tanh(batch["x"] @ params["wx"]),
+    ...           "y": jnp.tanh(batch["y"] @ params["wy"])}
+    >>> def loss(params, reps):
+    ...   logits = reps["x"] @ reps["y"].T * jnp.exp(params["t"])
+    ...   labels = jnp.arange(logits.shape[0])
+    ...   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    >>> k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    >>> params = {"wx": jax.random.normal(k1, (5, 3)),
+    ...           "wy": jax.random.normal(k2, (6, 3)), "t": jnp.float32(0.5)}
+    >>> batch = {"x": jax.random.normal(k3, (32, 5)),
+    ...          "y": jax.random.normal(k4, (32, 6))}
+    >>> step = jax.jit(jaccum.accumulate_coupled(encode, loss, 8))
+    >>> value, grads = step(params, batch)
+    >>> whole = jax.jit(jax.value_and_grad(lambda p, b: loss(p, encode(p, b))))
+    >>> whole_value, whole_grads = whole(params, batch)
+    >>> bool(jnp.allclose(value, whole_value))
+    True
+    >>> all(jax.tree.leaves(jax.tree.map(jnp.allclose, grads, whole_grads)))
+    True
+  """
+  for name, fn in (("encode_fn", encode_fn), ("loss_fn", loss_fn)):
+    if not callable(fn):
+      raise TypeError(f"{name} must be callable, got {fn!r:.60}.")
+  if axis_name is not None and (mesh is not None or axis is not None):
+    raise ValueError(
+      "axis_name (inside your own shard_map) and mesh=/axis= (accumulate_coupled "
+      "runs the shard_map) are two routes; pass one of them."
+    )
+  config = _config.make_config(
+    encode_fn,
+    num_microbatches,
+    batch_argnums=batch_argnums,
+    accum_dtype=accum_dtype,
+    rng_argnum=rng_argnum,
+    state_argnum=state_argnum,
+    axis_name=axis_name,
+    split=split,
+    unroll=unroll,
+    conv_rewrite=conv_rewrite,
+  )
+  mesh_axes = None
+  if mesh is not None or axis is not None:
+    mesh_axes = _config.axis_tuple("data" if axis is None else axis, "axis")
+
+  def coupled(*args: Any, **kwargs: Any) -> Any:
+    at = _config.positions(config, args, kwargs)
+    _check_params(args, at)
+    if config.axes is not None:
+      _loop.check_axes_bound(config.axes)
+      out = _two_passes(config, at, args, kwargs, loss_fn, config.axes)
+    elif mesh_axes is not None:
+      the_mesh = mesh if mesh is not None else _placement.find_mesh(args, at)
+      out = _on_mesh(config, at, args, kwargs, loss_fn, the_mesh, mesh_axes)
+    elif (route := _placement.explicit_batch_axes(args, at)) is not None:
+      out = _on_mesh(config, at, args, kwargs, loss_fn, *route)
+    else:
+      out = _two_passes(config, at, args, kwargs, loss_fn)
+    return out if at.state is None else (out, args[at.state])
+
+  return coupled

@@ -1,0 +1,496 @@
+"""`jaccum.accumulate_coupled` against the whole batch's `value_and_grad`.
+
+Each loss couples the batch: contrastive losses whose negatives are the other
+rows (CLIP with a learnable temperature, SigLIP, retrieval with hard
+negatives), and a mixture-of-experts load-balancing loss built from the
+whole batch's expert fractions. The reference is
+`jax.value_and_grad(lambda p, b: loss_fn(p, encode_fn(p, b)))` on the whole
+batch, in float32 (relative error ≤ 1e-5) and float64 (≤ 1e-12).
+"""
+
+import functools
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import _leaf_errors, assert_trees_close, max_rel_error
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaccum
+import jaccum.inspect
+
+BATCH = 64
+DEVICES = 8
+WIDTH, EMBED, TOKENS, EXPERTS = 6, 4, 3, 4
+
+
+def dense(key, *shape, dtype=jnp.float32):
+  return (jax.random.normal(key, shape, dtype) / np.sqrt(shape[0])).astype(dtype)
+
+
+def tower(params, x):
+  return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+
+def tower_params(key, dtype):
+  k1, k2 = jax.random.split(key)
+  return {
+    "w1": dense(k1, WIDTH, 8, dtype=dtype),
+    "w2": dense(k2, 8, EMBED, dtype=dtype),
+  }
+
+
+def normalize(x):
+  return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+# Two towers: images and texts (CLIP, SigLIP).
+def two_towers(params, batch):
+  return {
+    "image": normalize(tower(params["image"], batch["image"])),
+    "text": normalize(tower(params["text"], batch["text"])),
+  }
+
+
+def clip_loss(params, reps):
+  logits = jnp.exp(params["log_temp"]) * reps["image"] @ reps["text"].T
+  labels = jnp.arange(logits.shape[0])
+  ce = optax.softmax_cross_entropy_with_integer_labels
+  return (ce(logits, labels).mean() + ce(logits.T, labels).mean()) / 2
+
+
+def siglip_loss(params, reps):
+  logits = jnp.exp(params["log_temp"]) * reps["image"] @ reps["text"].T + params["bias"]
+  signs = 2 * jnp.eye(logits.shape[0], dtype=logits.dtype) - 1
+  return -jnp.sum(jax.nn.log_sigmoid(signs * logits)) / logits.shape[0]
+
+
+# Retrieval: a query against every positive and hard negative document.
+def retrieval_towers(params, batch):
+  return {
+    "query": tower(params["query"], batch["query"]),
+    "positive": tower(params["doc"], batch["positive"]),
+    "negative": tower(params["doc"], batch["negative"]),
+  }
+
+
+def hard_negative_loss(params, reps):
+  docs = jnp.concatenate([reps["positive"], reps["negative"]])
+  logits = reps["query"] @ docs.T / params["temp"]
+  labels = jnp.arange(reps["query"].shape[0])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+# Mixture of experts: per-token routing, a per-token loss, and Switch's
+# load-balancing term from the whole batch's fraction of tokens per expert.
+def moe_encoder(params, batch):
+  probs = jax.nn.softmax(batch["tokens"] @ params["router"], axis=-1)
+  experts = jnp.einsum("btw,ewo->bteo", batch["tokens"], params["experts"])
+  out = jnp.einsum("bte,bteo->bto", probs, experts)
+  return {"probs": probs, "token_loss": jnp.sum((out - batch["target"]) ** 2, -1)}
+
+
+def moe_loss(params, reps):
+  probs = reps["probs"].reshape(-1, EXPERTS)
+  fraction = jnp.mean(jax.nn.one_hot(jnp.argmax(probs, -1), EXPERTS), 0)
+  balance = EXPERTS * jnp.sum(fraction * jnp.mean(probs, 0))
+  return jnp.mean(reps["token_loss"]) + params["alpha"] * balance
+
+
+def make_problem(name, dtype=jnp.float32):
+  """`(encode_fn, loss_fn, params, batch)` for one of the coupled losses."""
+  keys = iter(jax.random.split(jax.random.key(0), 8))
+  normal = lambda *shape: jax.random.normal(next(keys), shape, dtype)
+  if name in ("clip", "siglip"):
+    params = {
+      "image": tower_params(next(keys), dtype),
+      "text": tower_params(next(keys), dtype),
+      "log_temp": jnp.asarray(1.5, dtype),
+    }
+    if name == "siglip":
+      params["bias"] = jnp.asarray(-2.0, dtype)
+    batch = {"image": normal(BATCH, WIDTH), "text": normal(BATCH, WIDTH)}
+    return two_towers, clip_loss if name == "clip" else siglip_loss, params, batch
+  if name == "hard_negative":
+    params = {
+      "query": tower_params(next(keys), dtype),
+      "doc": tower_params(next(keys), dtype),
+      "temp": jnp.asarray(0.5, dtype),
+    }
+    batch = {k: normal(BATCH, WIDTH) for k in ("query", "positive", "negative")}
+    return retrieval_towers, hard_negative_loss, params, batch
+  params = {
+    "router": normal(WIDTH, EXPERTS),
+    "experts": normal(EXPERTS, WIDTH, 2) / np.sqrt(WIDTH),
+    "alpha": jnp.asarray(0.1, dtype),
+  }
+  batch = {"tokens": normal(BATCH, TOKENS, WIDTH), "target": normal(BATCH, TOKENS, 2)}
+  return moe_encoder, moe_loss, params, batch
+
+
+def whole_batch(encode_fn, loss_fn):
+  return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, encode_fn(p, b))))
+
+
+@functools.cache
+def expected(name, dtype="float32"):
+  """The whole batch's `(loss, grads)` for a problem, computed once per module."""
+  with jax.enable_x64(dtype == "float64"):
+    encode_fn, loss_fn, params, batch = make_problem(name, jnp.dtype(dtype))
+    return jax.device_get(whole_batch(encode_fn, loss_fn)(params, batch))
+
+
+# Every K of 1, 2, 8, 16 and 64 (one row per micro-batch) in float32 and in
+# float64, each loss at two or three of them.
+CASES = [
+  ("clip", 1, "float32"),
+  ("clip", 8, "float32"),
+  ("clip", 64, "float64"),
+  ("siglip", 16, "float32"),
+  ("siglip", 2, "float64"),
+  ("hard_negative", 64, "float32"),
+  ("hard_negative", 8, "float64"),
+  ("moe", 2, "float32"),
+  ("moe", 16, "float64"),
+  ("moe", 1, "float64"),
+]
+
+
+@pytest.mark.parametrize(("name", "num_microbatches", "dtype"), CASES)
+def test_matches_whole_batch(name, num_microbatches, dtype):
+  with jax.enable_x64(dtype == "float64"):
+    encode_fn, loss_fn, params, batch = make_problem(name, jnp.dtype(dtype))
+    step = jax.jit(jaccum.accumulate_coupled(encode_fn, loss_fn, num_microbatches))
+    got = step(params, batch)
+  rtol = 1e-12 if dtype == "float64" else 1e-5
+  assert_trees_close(got, expected(name, dtype), rtol=rtol)
+
+
+def test_plain_accumulate_of_a_coupled_loss_is_another_objective():
+  # What accumulate_coupled is for: the per-micro-batch loss is not the loss.
+  encode_fn, loss_fn, params, batch = make_problem("clip")
+  loss = lambda p, b: loss_fn(p, encode_fn(p, b))
+  plain = jax.jit(jaccum.accumulate(jax.value_and_grad(loss), 8))(params, batch)
+  whole = expected("clip")
+  assert abs(float(plain[0]) - float(whole[0])) > 0.5
+  assert max_rel_error(plain[1], whole[1]) > 0.1
+
+
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+def test_loss_fn_sees_rows_in_batch_order(split):
+  # A loss that weighs each row by its position tells any other order apart.
+  def encode_fn(params, x):
+    return {"row": jnp.tanh(x @ params), "label": jnp.int32(1) + x[:, 0].astype(int)}
+
+  def loss_fn(params, reps):
+    position = jnp.arange(1.0, reps["row"].shape[0] + 1)
+    return jnp.sum(position[:, None] * reps["row"] ** 2) + jnp.sum(reps["label"])
+
+  params = dense(jax.random.key(1), WIDTH, 3)
+  x = jax.random.normal(jax.random.key(2), (BATCH, WIDTH))
+  step = jaccum.accumulate_coupled(encode_fn, loss_fn, 4, split=split)
+  got = jax.jit(step)(params, x)
+  assert_trees_close(got, whole_batch(encode_fn, loss_fn)(params, x), rtol=1e-5)
+
+
+def dropout_towers(params, batch, key):
+  keep = jax.random.bernoulli(key, 0.7, (batch["image"].shape[0], 8))
+  hidden = jnp.tanh(batch["image"] @ params["image"]["w1"]) * keep / 0.7
+  return {
+    "image": normalize(hidden @ params["image"]["w2"]),
+    "text": normalize(tower(params["text"], batch["text"])),
+  }
+
+
+def dropout_reference(params, batch, key, num_microbatches, num_devices=1):
+  """Whole-batch value_and_grad, each micro-batch's rows with its documented key.
+
+  Device d of `num_devices` holds a contiguous block of rows and folds the
+  key with d (d > 0) first; its micro-batch k (rows k, k + K, … of the
+  block) draws `fold_in(that key, k)`.
+  """
+  rows = BATCH // num_devices // num_microbatches
+  # [devices, K, rows, ...]: block d's strided micro-batch k.
+  to_micro = lambda x: jnp.swapaxes(
+    x.reshape(num_devices, rows, num_microbatches, *x.shape[1:]), 1, 2
+  )
+  from_micro = lambda x: jnp.swapaxes(x, 1, 2).reshape(BATCH, *x.shape[3:])
+  device_keys = [key] + [jax.random.fold_in(key, d) for d in range(1, num_devices)]
+  keys = jnp.stack(
+    [
+      jnp.stack([jax.random.fold_in(dk, k) for k in range(num_microbatches)])
+      for dk in device_keys
+    ]
+  )
+  encode = jax.vmap(jax.vmap(dropout_towers, (None, 0, 0)), (None, 0, 0))
+
+  def loss(params):
+    reps = encode(params, jax.tree.map(to_micro, batch), keys)
+    return clip_loss(params, jax.tree.map(from_micro, reps))
+
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_dropout_draws_the_same_keys_in_both_passes():
+  _, _, params, batch = make_problem("clip")
+  key = jax.random.key(3)
+  step = jaccum.accumulate_coupled(dropout_towers, clip_loss, 8, rng_argnum=2)
+  got = jax.jit(step)(params, batch, key)
+  assert_trees_close(got, dropout_reference(params, batch, key, 8), rtol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["one device", "explicit"])
+def test_bf16_params_sum_in_float32(route):
+  encode_fn, loss_fn, params, batch = make_problem("clip", jnp.bfloat16)
+  if route == "one device":
+    step, args = (
+      jax.jit(jaccum.accumulate_coupled(encode_fn, loss_fn, 32)),
+      (
+        params,
+        batch,
+      ),
+    )
+  else:
+    step, args = explicit_route(encode_fn, loss_fn, 4, params, batch)
+  loss, grads = jax.device_get(step(*args))
+  whole_loss, whole_grads = whole_batch(encode_fn, loss_fn)(params, batch)
+  assert loss.dtype == whole_loss.dtype  # optax's cross-entropy: float32
+  assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(
+    lambda p: p.dtype, params
+  )
+  # The truth: the same bf16 params and batch, computed in float32. Summed in
+  # float32, every leaf is as close to it as the whole batch's own bf16 step
+  # is, within one bf16 rounding (2^-8 relative to the leaf's largest entry).
+  upcast = jax.tree.map(lambda x: x.astype(jnp.float32), (params, batch))
+  truth = jax.device_get(whole_batch(encode_fn, loss_fn)(*upcast)[1])
+  errors = [e / s for _, e, s in _leaf_errors(grads, truth)]
+  whole = [e / s for _, e, s in _leaf_errors(jax.device_get(whole_grads), truth)]
+  assert all(e <= w + 2.0**-8 for e, w in zip(errors, whole, strict=True)), (
+    errors,
+    whole,
+  )
+
+
+def test_encode_fn_is_traced_once_per_compilation_plus_one_shape_check():
+  traces = []
+
+  def counted(params, batch):
+    traces.append(batch["image"].shape)
+    return two_towers(params, batch)
+
+  _, _, params, batch = make_problem("clip")
+  jax.jit(jaccum.accumulate_coupled(counted, clip_loss, 8)).lower(params, batch)
+  assert traces == [(8, WIDTH), (16, WIDTH)]  # the passes, then the check
+
+
+class BatchNormTower(nn.Module):
+  """A Linen tower with BatchNorm: its statistics are state."""
+
+  train: bool
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.BatchNorm(use_running_average=not self.train)(nn.Dense(8)(x))
+    return nn.Dense(EMBED)(jnp.tanh(x))
+
+
+def batch_norm_encoder(train):
+  """`encode_fn(params, x, stats) -> (reps, stats)`, as Linen's `mutable=` gives."""
+
+  def encode_fn(params, x, stats):
+    variables = {"params": params, "batch_stats": stats}
+    out, new = BatchNormTower(train).apply(variables, x, mutable=["batch_stats"])
+    return {"x": out}, new["batch_stats"]
+
+  return encode_fn
+
+
+def spread_loss(params, reps):  # couples the rows: their spread, batch-wide
+  return jnp.sum(jnp.var(reps["x"], axis=0))
+
+
+def batch_norm_problem():
+  x = jax.random.normal(jax.random.key(5), (BATCH, WIDTH))
+  variables = BatchNormTower(False).init(jax.random.key(6), x)
+  stats = jax.tree.map(lambda s: s + 0.5, variables["batch_stats"])  # not 0, 1
+  return variables["params"], x, stats
+
+
+def test_state_that_is_only_read_passes_through():
+  params, x, stats = batch_norm_problem()
+  encode_fn = batch_norm_encoder(train=False)  # running statistics, only read
+  step = jaccum.accumulate_coupled(encode_fn, spread_loss, 4, state_argnum=2)
+  (loss, grads), new_stats = jax.jit(step)(params, x, stats)
+  assert_trees_close(new_stats, stats, rtol=0)
+  expected = jax.jit(
+    jax.value_and_grad(lambda p: spread_loss(p, encode_fn(p, x, stats)[0]))
+  )(params)
+  # The last bias's gradient is 0 in exact arithmetic (the spread ignores a
+  # shift): only rounding is left there.
+  assert_trees_close((loss, grads), expected, rtol=1e-5, atol=1e-7)
+
+
+# Many devices.
+
+
+def shard_rows(mesh, tree):
+  return jax.device_put(tree, NamedSharding(mesh, P("data")))
+
+
+def explicit_mesh():
+  return jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def auto_mesh():
+  return jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def explicit_route(encode_fn, loss_fn, num_microbatches, params, batch):
+  """Plain jit, the batch sharded over an explicit mesh axis."""
+  step = jax.jit(jaccum.accumulate_coupled(encode_fn, loss_fn, num_microbatches))
+  return step, (params, shard_rows(explicit_mesh(), batch))
+
+
+def mesh_route(encode_fn, loss_fn, num_microbatches, params, batch):
+  """`mesh=` on an auto mesh, as `data_parallel` takes it."""
+  step = jaccum.accumulate_coupled(
+    encode_fn, loss_fn, num_microbatches, mesh=auto_mesh()
+  )
+  return jax.jit(step), (params, batch)
+
+
+def shard_map_route(encode_fn, loss_fn, num_microbatches, params, batch):
+  """`axis_name` inside the user's own shard_map, which checks types."""
+  mesh = explicit_mesh()
+  coupled = jaccum.accumulate_coupled(
+    encode_fn, loss_fn, num_microbatches, axis_name="data"
+  )
+  step = jax.shard_map(coupled, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  return jax.jit(step), (params, shard_rows(mesh, batch))
+
+
+ROUTES = {"explicit": explicit_route, "mesh": mesh_route, "shard_map": shard_map_route}
+
+
+def nbytes(tree):
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize(
+  ("route", "name", "num_microbatches", "dtype"),
+  [
+    ("explicit", "clip", 2, "float32"),
+    ("explicit", "hard_negative", 1, "float64"),
+    ("mesh", "siglip", 8, "float32"),
+    ("shard_map", "moe", 4, "float32"),
+  ],
+)
+def test_on_eight_devices_one_gather_one_reduction(
+  route, name, num_microbatches, dtype
+):
+  with jax.enable_x64(dtype == "float64"):
+    encode_fn, loss_fn, params, batch = make_problem(name, jnp.dtype(dtype))
+    step, args = ROUTES[route](encode_fn, loss_fn, num_microbatches, params, batch)
+    counts = jaccum.inspect.collectives(step, *args)
+    got = jax.device_get(step(*args))
+    reps = jax.eval_shape(encode_fn, params, batch)
+  rtol = 1e-12 if dtype == "float64" else 1e-5
+  assert_trees_close(got, expected(name, dtype), rtol=rtol)
+  assert counts.inside_loops == 0, counts
+  # The batch's reps gathered once; the gradients and the loss summed once.
+  assert counts.all_gather.bytes_outside_loops == nbytes(reps), counts
+  assert counts.all_reduce.outside_loops == 1, counts
+  assert counts.all_reduce.bytes_outside_loops == nbytes((params, got[0])), counts
+
+
+def test_dropout_on_a_mesh_draws_per_device_keys():
+  _, _, params, batch = make_problem("clip")
+  key = jax.random.key(4)
+  step = jax.jit(jaccum.accumulate_coupled(dropout_towers, clip_loss, 2, rng_argnum=2))
+  got = jax.device_get(step(params, shard_rows(explicit_mesh(), batch), key))
+  expected = dropout_reference(params, batch, key, 2, DEVICES)
+  assert_trees_close(got, expected, rtol=1e-5)
+
+
+def test_a_closure_over_a_placed_array_runs_as_the_whole_batch_with_a_warning():
+  # JAX's shard_map cannot close over it; the whole batch's step runs (a
+  # contrastive loss's B x B logits of reps sharded on both axes would not).
+  encode_fn, loss_fn, params, batch = make_problem("moe")
+  mesh = explicit_mesh()
+  alpha = jax.device_put(jnp.float32(0.3), NamedSharding(mesh, P()))
+  closing = lambda p, reps: loss_fn({**p, "alpha": alpha}, reps)
+  step = jax.jit(jaccum.accumulate_coupled(encode_fn, closing, 2))
+  placed = jax.device_put(params, NamedSharding(mesh, P()))
+  with pytest.warns(UserWarning, match="could not run encode_fn and loss_fn"):
+    got = step(placed, shard_rows(mesh, batch))
+  expected = whole_batch(encode_fn, loss_fn)({**params, "alpha": 0.3}, batch)
+  expected[1]["alpha"] = jnp.zeros(())  # closed over: no gradient
+  assert_trees_close(jax.device_get(got), expected, rtol=1e-5)
+
+
+# Refusals: what cannot be exact, and bad arguments.
+
+
+def refused(encode_fn, loss_fn=lambda p, reps: jnp.sum(reps["x"]), **options):
+  params = {"w": jnp.ones((WIDTH, 2))}
+  x = jnp.ones((BATCH, WIDTH))
+  step = jaccum.accumulate_coupled(encode_fn, loss_fn, options.pop("k", 4), **options)
+  return lambda *args: jax.jit(step)(*(args or (params, x)))
+
+
+@pytest.mark.parametrize(
+  ("encode_fn", "match"),
+  [
+    (lambda p, x: {"x": x @ p["w"], "s": jnp.sum(x)}, r"reps\['s'\].*shape \(\)"),
+    (lambda p, x: {"x": jnp.mean(x @ p["w"], 0)}, r"reps\['x'\].*shape \(2,\)"),
+    # 16 rows per micro-batch, and 16 columns summed over them: only happens to match.
+    (
+      lambda p, x: {"x": jnp.sum(x[:, :1] * jnp.ones((1, 16)), 0)},
+      r"reps\['x'\].*only happens to match",
+    ),
+  ],
+  ids=["scalar", "reduced", "coincidence"],
+)
+def test_refuses_reps_without_one_row_per_example(encode_fn, match):
+  with pytest.raises(ValueError, match=match):
+    refused(encode_fn)()
+
+
+def test_refuses_state_that_encode_fn_changes():
+  params, x, stats = batch_norm_problem()
+  encode_fn = batch_norm_encoder(train=True)  # batch statistics, updated
+  step = jaccum.accumulate_coupled(encode_fn, spread_loss, 4, state_argnum=2)
+  with pytest.raises(
+    ValueError,
+    match=r"changes the state at state_argnum=2 \(new state\['BatchNorm_0'\]",
+  ):
+    jax.jit(step)(params, x, stats)
+
+
+def test_refuses_bad_arguments():
+  encode = lambda p, x: {"x": x @ p["w"]}
+  params, x = {"w": jnp.ones((WIDTH, 2))}, jnp.ones((BATCH, WIDTH))
+  with pytest.raises(ValueError, match="batch_argnums points at argument 0"):
+    refused(encode, batch_argnums=0)(params, x)
+  with pytest.raises(
+    TypeError, match=r"params leaf args\[0\]\['n'\] must be a floating"
+  ):
+    refused(encode)({**params, "n": jnp.int32(3)}, x)
+  with pytest.raises(TypeError, match=r"loss_fn.*must return a real floating scalar"):
+    refused(encode, loss_fn=lambda p, reps: reps["x"])(params, x)
+  with pytest.raises(TypeError, match="encode_fn must be callable"):
+    jaccum.accumulate_coupled(None, encode, 4)
+  with pytest.raises(ValueError, match=r"axis_name.*mesh=/axis=.*pass one"):
+    jaccum.accumulate_coupled(encode, encode, 4, axis_name="data", axis="data")
+  with pytest.raises(ValueError, match="divisible by num_microbatches"):
+    refused(encode, k=5)(params, x)
+  with pytest.raises(ValueError, match=r"devices × num_microbatches = 8 × 16"):
+    refused(encode, k=16, mesh=auto_mesh())(params, x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the accepted call warns about nothing
+    refused(encode, k=8, mesh=auto_mesh())(params, x)
