@@ -8,6 +8,7 @@ from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 from jaccum._pipeline import pipeline
+from jaccum._pipeline_schedule import PipelineSchedule, pipeline_schedule
 from jaccum._plan import CostModel, Plan, PlanPoint, Remat, fit_plan
 from jaccum._powersgd import PowerSGD, PowerSGDState
 from jaccum._schedule import (
@@ -30,6 +31,7 @@ __all__ = [
   "MultiStepsState",
   "NoiseScaleEMA",
   "NoiseScaleEMAState",
+  "PipelineSchedule",
   "Plan",
   "PlanPoint",
   "PowerSGD",
@@ -41,6 +43,7 @@ __all__ = [
   "fit_plan",
   "fit_train_step",
   "pipeline",
+  "pipeline_schedule",
   "split_microbatches",
 ]
 
