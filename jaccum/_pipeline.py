@@ -357,17 +357,18 @@ class _Layout(NamedTuple):
     index = data * ticks.num_microbatches + microbatch
     return jax.random.fold_in(jax.random.fold_in(key, index), stage)
 
-  def accum_dtype(self, dtype: Any) -> np.dtype:
-    """`dtype`, or `accum_dtype` where that is a wider float."""
-    dtype = np.dtype(dtype)
+  def accum_dtype(self, dtype: Any) -> Any:
+    """`dtype`, or `accum_dtype` where that is a wider float. Other dtypes
+    (integers, PRNG keys, which NumPy cannot even name) stay as they are."""
     accum = self.accum
-    if accum is not None and _is_float(dtype) and dtype.itemsize < accum.itemsize:
-      return accum
-    return dtype
+    if accum is None or not _is_float(dtype):
+      return dtype
+    dtype = np.dtype(dtype)
+    return accum if dtype.itemsize < accum.itemsize else dtype
 
   def widen(self, tree: Any) -> Any:
-    """`tree`'s leaves in `accum_dtype` where that is a wider float."""
-    return jax.tree.map(lambda a: a.astype(self.accum_dtype(a.dtype)), tree)
+    """`tree`'s floating leaves in `accum_dtype` where that is wider."""
+    return jax.tree.map(lambda a: _cast(a, self.accum_dtype(_dtype(a))), tree)
 
 
 class _Args(NamedTuple):
@@ -1401,8 +1402,9 @@ def _is_float(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _dtype(x: Any) -> np.dtype:
-  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.result_type(x))
+def _dtype(x: Any) -> Any:
+  """`x`'s dtype: a NumPy one, or a PRNG key's, which NumPy cannot name."""
+  return x.dtype if hasattr(x, "dtype") else np.dtype(jnp.result_type(x))
 
 
 def _floats(tree: Any) -> list[Any]:
@@ -1430,7 +1432,7 @@ def _zeros(leaves: Sequence[Any]) -> list[Any]:
 
 
 def _cast(tree: Any, dtypes: Any) -> Any:
-  return jax.tree.map(lambda a, d: a.astype(d), tree, dtypes)
+  return jax.tree.map(lambda a, d: a if a.dtype == d else a.astype(d), tree, dtypes)
 
 
 def _stop(tree: Any) -> Any:

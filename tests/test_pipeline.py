@@ -725,6 +725,43 @@ def test_closed_over_values_get_gradients(schedule):
     assert_trees_close(actual, expected, 1e-12)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b", "zb-h1"])
+def test_functions_closing_over_a_typed_key(schedule):
+  """A `jax.random.key` that `stage_fn` and `loss_fn` close over (one dropout
+  mask for all) stays a key: only floating values are widened to
+  `accum_dtype` (issue 28, item 8: this failed with "Cannot interpret
+  'key<fry>' as a data type")."""
+  options, inside, _ = SCHEDULES[schedule]
+  mesh = make_mesh("stage")
+  params, x, t = make_problem(mesh, jnp.float32)
+
+  def functions(key):
+    keep = lambda h: jax.random.bernoulli(key, 0.75, h.shape)
+    stage = lambda p, h: stage_fn(p, h) * keep(h)
+    # Linear in the rows' losses: the same summed over micro-batches or not.
+    head = lambda y, t: loss_fn(y, t) * jax.random.uniform(key, (), y.dtype, 1, 2)
+    return stage, head
+
+  def pipelined(params, x, t, key):
+    stage, head = functions(key)
+    pipe = jaccum.pipeline(
+      stage, NUM_STAGES, mesh=mesh, loss_fn=head if inside else None, **options
+    )
+    return pipe(params, x, t) if inside else head(pipe(params, x), t)
+
+  def reference(params, x, t, key):
+    stage, head = functions(key)
+    run = functools.partial(
+      sequential, stage, params, x, shards=1, num_microbatches=NUM_STAGES
+    )
+    return run(loss=head, targets=t)
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+  key = jax.random.key(13)
+  actual = grad(pipelined)(params, x, t, key)
+  assert_trees_close(actual, grad(reference)(params, x, t, key), 1e-5, atol=1e-6)
+
+
 # --- keys and state ------------------------------------------------------------------
 
 
