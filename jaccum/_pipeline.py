@@ -1032,14 +1032,20 @@ class _WeightSplit:
     )
     self.num_param_grads, num_const_grads, self.num_input_grads = counts
     is_b = [False] * (self.num_param_grads + num_const_grads)
+    # The cotangent waits until B: W gets what it reads of it through B.
+    self.num_residuals = num = len(residuals.all_like)
     self.split = _pipeline_backward.split(
-      closed, len(residuals.all_like), is_b + [True] * self.num_input_grads
+      closed,
+      is_b + [True] * self.num_input_grads,
+      through_b=range(num, len(closed.jaxpr.invars)),
     )
     per_microbatch = residuals.per_microbatch
-    w_reads = set(self.split.w_residuals)
-    self.w_kept = [i for i in self.split.w_residuals if per_microbatch[i]]
+    w_reads = set(self.split.w_inputs)
+    self.w_kept = [i for i in self.split.w_inputs if per_microbatch[i]]
     self.b_kept = [
-      i for i in self.split.b_residuals if per_microbatch[i] and i not in w_reads
+      i
+      for i in self.split.b_inputs
+      if i < num and per_microbatch[i] and i not in w_reads
     ]
     self.shared_at = [i for i, d in enumerate(per_microbatch) if not d]
     carried_like = [
@@ -1076,8 +1082,9 @@ class _WeightSplit:
       by_index = dict(enumerate(leaves))
     else:
       by_index = self._by_index(fw, shared) | dict(zip(self.b_kept, fb, strict=True))
-    reads = [by_index[i] for i in self.split.b_residuals]
-    out = jaxpr_as_fun(self.split.b)(*reads, *cotangent)
+    by_index |= dict(enumerate(cotangent, start=self.num_residuals))
+    reads = [by_index[i] for i in self.split.b_inputs]
+    out = jaxpr_as_fun(self.split.b)(*reads)
     input_grads, carried = out[: self.num_input_grads], out[self.num_input_grads :]
     return input_grads, ((fw, carried) if self.remat else carried)
 
@@ -1095,7 +1102,7 @@ class _WeightSplit:
     """W: `(the parameters' gradients, the constants')`."""
     kept, carried = bw if self.remat else (fw, bw)
     by_index = self._by_index(kept, shared)
-    reads = [by_index[i] for i in self.split.w_residuals]
+    reads = [by_index[i] for i in self.split.w_inputs]
     grads = jaxpr_as_fun(self.split.w)(*reads, *carried)
     return grads[: self.num_param_grads], grads[self.num_param_grads :]
 

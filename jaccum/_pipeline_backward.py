@@ -11,85 +11,96 @@ computed that it uses (the cotangents of the layers' outputs, from which
 backward costs.
 
 Nested calls (`jax.jit` inside the stage) are inlined first, so that a jitted
-block's backward splits too. A primitive that computes both parts at once (a
-`lax.scan` over layers, whose transpose yields the carry's cotangent and the
-layers' gradients together) stays whole in B: exact, with less left for W.
+block's backward splits too. A `lax.scan` over layers, whose transpose yields
+the carried cotangent and the layers' gradients in one loop, becomes two
+loops: B's, which also stacks what W's body needs of each iteration, and W's
+(its body split the same way, nested scans included). Other primitives that
+compute both parts at once (a `while`, a `cond`) stay whole in B: exact, with
+less left for W.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import (
+  ClosedJaxpr,
+  DebugInfo,
+  Jaxpr,
+  JaxprEqn,
+  Literal,
+  Var,
+  jaxpr_as_fun,
+)
 
 # Call primitives whose body is inlined before splitting.
 _CALLS = frozenset({"closed_call", "core_call", "jit", "pjit"})
 
 
 class Split(NamedTuple):
-  """A backward program cut into B and W.
+  """A program cut into B and W.
 
   Attributes:
-    b: `(residuals[b_residuals]..., cotangents...) -> (b outputs...,
-      carried...)`.
-    w: `(residuals[w_residuals]..., carried...) -> (w outputs...)`.
-    b_residuals: the positions of the residuals B reads.
-    w_residuals: the positions of the residuals W reads.
+    b: `(inputs[b_inputs]...) -> (B's outputs..., carried...)`.
+    w: `(inputs[w_inputs]..., carried...) -> (W's outputs...)`.
+    b_inputs: the positions of the program's inputs B reads, in order.
+    w_inputs: those W reads itself, in order.
     num_carried: how many values B hands to W.
   """
 
   b: ClosedJaxpr
   w: ClosedJaxpr
-  b_residuals: tuple[int, ...]
-  w_residuals: tuple[int, ...]
+  b_inputs: tuple[int, ...]
+  w_inputs: tuple[int, ...]
   num_carried: int
 
 
-def split(closed: ClosedJaxpr, num_residuals: int, b_outputs: Sequence[bool]) -> Split:
-  """Cuts `closed`, `(residuals..., cotangents...) -> outputs`, into B and W.
+def split(
+  closed: ClosedJaxpr, b_outputs: Sequence[bool], through_b: Collection[int] = ()
+) -> Split:
+  """Cuts `closed` into B, the equations the outputs `b_outputs` marks need,
+  and W, the other equations the other outputs need.
 
-  `b_outputs[i]` says whether output i is B's (the input's cotangent) or W's
-  (a weight's gradient). B is every equation B's outputs depend on; W is
-  every other equation W's outputs depend on, fed with the residuals it
-  reads and the values of B (or cotangents) it uses.
+  W reads inputs itself, except those at positions `through_b` (the output's
+  cotangent, which waits only until B): B hands it those, with the values of
+  its own it uses.
   """
-  closed = _inlined(closed)
+  closed = _rewritten(closed, b_outputs)
   jaxpr = closed.jaxpr
   b_out = [v for v, is_b in zip(jaxpr.outvars, b_outputs, strict=True) if is_b]
   w_out = [v for v, is_b in zip(jaxpr.outvars, b_outputs, strict=True) if not is_b]
-  b_eqns = _needed(jaxpr.eqns, b_out, keep_effects=True)
+  b_eqns, _ = _needed(jaxpr.eqns, b_out)
   in_b = {id(e) for e in b_eqns}
-  w_eqns = _needed([e for e in jaxpr.eqns if id(e) not in in_b], w_out)
-  residuals, cotangents = jaxpr.invars[:num_residuals], jaxpr.invars[num_residuals:]
-  b_defined = {v for e in b_eqns for v in e.outvars} | set(cotangents)
+  w_eqns, _ = _needed([e for e in jaxpr.eqns if id(e) not in in_b], w_out)
+  given = {v for i, v in enumerate(jaxpr.invars) if i in through_b}
+  b_defined = {v for e in b_eqns for v in e.outvars} | given
   w_reads = _reads(w_eqns, w_out)
   carried = [v for v in _ordered(w_reads, jaxpr) if v in b_defined]
-  b_reads = _reads(b_eqns, b_out)
-  b_residuals = tuple(i for i, v in enumerate(residuals) if v in b_reads)
-  w_residuals = tuple(i for i, v in enumerate(residuals) if v in w_reads)
-  b = _program(
-    closed,
-    [residuals[i] for i in b_residuals] + list(cotangents),
-    b_out + carried,
-    b_eqns,
+  b_reads = _reads(b_eqns, b_out + carried)
+  b_inputs = tuple(i for i, v in enumerate(jaxpr.invars) if v in b_reads)
+  w_inputs = tuple(
+    i for i, v in enumerate(jaxpr.invars) if v in w_reads and v not in given
   )
-  w = _program(closed, [residuals[i] for i in w_residuals] + carried, w_out, w_eqns)
-  return Split(b, w, b_residuals, w_residuals, len(carried))
+  invars = lambda positions: [jaxpr.invars[i] for i in positions]
+  b = _program(closed, invars(b_inputs), b_out + carried, b_eqns)
+  w = _program(closed, invars(w_inputs) + carried, w_out, w_eqns)
+  return Split(b, w, b_inputs, w_inputs, len(carried))
 
 
 def _needed(
-  eqns: Sequence[JaxprEqn], outputs: Sequence[Any], keep_effects: bool = False
-) -> list[JaxprEqn]:
-  """The equations `outputs` depend on (and effectful ones), in program order."""
+  eqns: Sequence[JaxprEqn], outputs: Sequence[Any]
+) -> tuple[list[JaxprEqn], set[Var]]:
+  """The equations `outputs` depend on (and effectful ones), in program order,
+  and every variable they read."""
   live = {v for v in outputs if isinstance(v, Var)}
   kept = []
   for eqn in reversed(eqns):
-    if any(v in live for v in eqn.outvars) or (keep_effects and eqn.effects):
+    if any(v in live for v in eqn.outvars) or eqn.effects:
       kept.append(eqn)
       live.update(v for v in eqn.invars if isinstance(v, Var))
-  return kept[::-1]
+  return kept[::-1], live
 
 
 def _reads(eqns: Sequence[JaxprEqn], outputs: Sequence[Any]) -> set[Var]:
@@ -126,17 +137,110 @@ def _program(
   return ClosedJaxpr(program, consts)
 
 
+# --- before splitting: calls inlined, scans over layers in two ----------------------
+
+
+def _rewritten(closed: ClosedJaxpr, b_outputs: Sequence[bool]) -> ClosedJaxpr:
+  """`closed` with its calls' bodies in line and each scan whose outputs B
+  and W share as two scans, B's and W's (`_split_scan`)."""
+  closed = _inlined(closed)
+  jaxpr = closed.jaxpr
+  b_out = [v for v, is_b in zip(jaxpr.outvars, b_outputs, strict=True) if is_b]
+  _, b_live = _needed(jaxpr.eqns, b_out)
+  shared_scans = {
+    id(e): [v in b_live for v in e.outvars]
+    for e in jaxpr.eqns
+    if e.primitive.name == "scan" and len({v in b_live for v in e.outvars}) == 2
+  }
+  if not shared_scans:
+    return closed
+
+  def scan_rule(eqn: JaxprEqn, values: list[Any]) -> list[Any] | None:
+    mask = shared_scans.get(id(eqn))
+    return None if mask is None else _split_scan(eqn, values, mask)
+
+  return _retraced(closed, scan_rule)
+
+
+def _split_scan(eqn: JaxprEqn, values: list[Any], b_outputs: list[bool]) -> list[Any]:
+  """Runs a scan as B's scan, then W's, and returns the scan's outputs.
+
+  B's carries are those whose outputs B needs, and every carry they depend
+  on. B's scan stacks, per iteration, what W's body needs of B's (its values,
+  B's carries as they came in); W's scan reads those, the scan's constants
+  and inputs, and runs W's carries.
+  """
+  params = eqn.params
+  body: ClosedJaxpr = params["jaxpr"]
+  num_consts, num_carry = params["num_consts"], params["num_carry"]
+  carry_at = range(num_consts, num_consts + num_carry)
+  b_carries = {j for j in range(num_carry) if b_outputs[j]}
+  while True:  # B's carries: those B's outputs read, until none is added
+    body_b = [j in b_carries for j in range(num_carry)] + b_outputs[num_carry:]
+    through = [num_consts + j for j in sorted(b_carries)]
+    parts = split(body, body_b, through)
+    reads = {i - num_consts for i in parts.b_inputs if i in carry_at}
+    if reads <= b_carries:
+      break
+    b_carries |= reads
+  consts, init, xs = (
+    values[:num_consts],
+    values[num_consts : num_consts + num_carry],
+    values[num_consts + num_carry :],
+  )
+  order = sorted(b_carries)
+  others = [j for j in range(num_carry) if j not in b_carries]
+  scan = lambda body, carry, inputs: jax.lax.scan(
+    body,
+    carry,
+    inputs,
+    length=params["length"],
+    reverse=params["reverse"],
+    unroll=params["unroll"],
+  )
+
+  def b_body(carry, x):
+    inputs = dict(enumerate([*consts, *init, *x]))
+    inputs.update({num_consts + j: c for j, c in zip(order, carry, strict=True)})
+    outs = jaxpr_as_fun(parts.b)(*[inputs[i] for i in parts.b_inputs])
+    num_b = len(order) + sum(b_outputs[num_carry:])
+    return outs[: len(order)], (outs[len(order) : num_b], outs[num_b:])
+
+  b_final, (b_ys, stacked) = scan(b_body, [init[j] for j in order], xs)
+
+  def w_body(carry, x):
+    x, carried = x
+    inputs = dict(enumerate([*consts, *init, *x]))
+    inputs.update({num_consts + j: c for j, c in zip(others, carry, strict=True)})
+    outs = jaxpr_as_fun(parts.w)(*[inputs[i] for i in parts.w_inputs], *carried)
+    return outs[: len(others)], outs[len(others) :]
+
+  w_final, w_ys = scan(w_body, [init[j] for j in others], (xs, stacked))
+  carries = dict(zip(order, b_final, strict=True)) | dict(
+    zip(others, w_final, strict=True)
+  )
+  b_iter, w_iter = iter(b_ys), iter(w_ys)
+  ys = [next(b_iter if is_b else w_iter) for is_b in b_outputs[num_carry:]]
+  return [carries[j] for j in range(num_carry)] + ys
+
+
 def _inlined(closed: ClosedJaxpr) -> ClosedJaxpr:
   """`closed` with the bodies of its calls (`jax.jit` inside) put in their place."""
   if not any(e.primitive.name in _CALLS for e in closed.jaxpr.eqns):
     return closed
+  return _retraced(closed, lambda eqn, values: None)
+
+
+def _retraced(closed: ClosedJaxpr, rule: Any) -> ClosedJaxpr:
+  """`closed` traced again, calls in line, `rule(eqn, values)` replacing the
+  equations it returns outputs for."""
   avals = [
     jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars
   ]
-  return jax.make_jaxpr(lambda *args: _evaluate(closed, args))(*avals)
+  return jax.make_jaxpr(lambda *args: _evaluate(closed, args, rule))(*avals)
 
 
-def _evaluate(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+def _evaluate(closed: ClosedJaxpr, args: Sequence[Any], rule: Any) -> list[Any]:
   """Runs `closed` on `args`, evaluating calls' bodies in line."""
   env: dict[Var, Any] = {}
   read = lambda v: v.val if isinstance(v, Literal) else env[v]
@@ -146,8 +250,11 @@ def _evaluate(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
   for eqn in jaxpr.eqns:
     values = [read(v) for v in eqn.invars]
     body = eqn.params.get("jaxpr")
-    if eqn.primitive.name in _CALLS and isinstance(body, ClosedJaxpr):
-      outs = _evaluate(body, values)
+    outs = rule(eqn, values)
+    if outs is not None:
+      pass
+    elif eqn.primitive.name in _CALLS and isinstance(body, ClosedJaxpr):
+      outs = _evaluate(body, values, lambda eqn, values: None)
     else:
       params = eqn.primitive.get_bind_params(eqn.params)
       with eqn.ctx.manager:

@@ -449,11 +449,10 @@ def zero_bubble_problem(num_stages, num_microbatches):
 
 # (S, K, remat, also against 1F1B): S = 2, 4, 8 with K from S to 8S.
 ZERO_BUBBLE_CASES = [
-  (2, 2, False, True),
   (2, 16, True, False),
   (4, 13, False, False),
   (4, 8, True, True),
-  (8, 8, False, False),
+  (8, 8, False, True),
   (8, 64, True, False),
 ]
 
@@ -499,6 +498,46 @@ def test_zero_bubble_matches_sequential_loop_and_1f1b(
     assert_trees_close(actual, grad(reference)(params, x, t), 1e-12)
     if against_1f1b:
       assert_trees_close(actual, grad(pipelined("1f1b"))(params, x, t), 1e-12)
+
+
+def test_zero_bubble_splits_a_scan_over_jitted_blocks():
+  """A stage that scans over its blocks, each a `jax.jit` function, splits
+  too: B's loop runs the blocks' matmuls to the input, W's loop those to the
+  weights (512·R FLOPs per block each, as the compiled loop shows), and the
+  result is the sequential loop's."""
+  mesh = make_mesh("stage")
+  num_blocks = 2
+  keys = jax.random.split(jax.random.key(14), 2)
+  params = {
+    "w_in": jax.random.normal(keys[0], (NUM_STAGES, num_blocks, WIDTH, 2 * WIDTH)),
+    "w_out": jax.random.normal(keys[1], (NUM_STAGES, num_blocks, 2 * WIDTH, WIDTH)),
+  }
+  params = jax.tree.map(lambda a: a / 4, params)
+  x = jax.random.normal(jax.random.key(15), (ROWS_PER_SHARD, WIDTH))
+  t = jax.random.uniform(jax.random.key(16), (ROWS_PER_SHARD,))
+
+  @jax.jit
+  def block(h, p):
+    return h + jnp.tanh(h @ p["w_in"]) @ p["w_out"], None
+
+  def scan_stage(params, h):
+    return jax.lax.scan(block, h, params)[0]
+
+  pipe = jaccum.pipeline(
+    scan_stage, NUM_STAGES, mesh=mesh, schedule="zb-h1", loss_fn=loss_fn
+  )
+  reference = functools.partial(
+    sequential, scan_stage, shards=1, num_microbatches=NUM_STAGES, loss=loss_fn
+  )
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+  compiled = grad(pipe).lower(params, x, t).compile()
+  expected = grad(lambda p, x, t: reference(p, x, targets=t))(params, x, t)
+  assert_trees_close(compiled(params, x, t), expected, 1e-5, atol=1e-6)
+  text = compiled.as_text()
+  (loop,) = [loop for loop in _hlo_cost.loops(text) if loop.trip_count == 15]
+  (_, weights), (_, _, backward), *_ = loop.branches
+  rows = ROWS_PER_SHARD // NUM_STAGES
+  assert backward == weights == num_blocks * 512 * rows
 
 
 def test_compiled_loop_runs_the_schedule():
@@ -725,12 +764,13 @@ def test_closed_over_values_get_gradients(schedule):
     assert_trees_close(actual, expected, 1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_functions_closing_over_a_typed_key(schedule):
   """A `jax.random.key` that `stage_fn` and `loss_fn` close over (one dropout
   mask for all) stays a key: only floating values are widened to
   `accum_dtype` (issue 28, item 8: this failed with "Cannot interpret
-  'key<fry>' as a data type")."""
+  'key<fry>' as a data type", in GPipe's forward loop and in the gradient loop
+  that 1F1B and ZB-H1 share)."""
   options, inside, _ = SCHEDULES[schedule]
   mesh = make_mesh("stage")
   params, x, t = make_problem(mesh, jnp.float32)
