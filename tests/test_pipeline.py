@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jaccum
 import jaccum.inspect
 from jaccum import _hlo_cost
-from jaccum._pipeline_schedule import _Ticks
+from jaccum._pipeline_schedule import _Ticks, zero_bubble_tables
 
 NUM_STAGES = 4
 WIDTH = 8
@@ -343,7 +343,7 @@ def test_zero_bubble_schedule_runs_each_pass_once_after_what_it_needs(num_stages
   stage's F, B after the next stage's B (on the last stage, after its F), W
   after its B. A device holds at most S micro-batches between F and W, and
   for K ≥ S the step takes 3K + S − 1 ticks, the bubble (S − 1)(F + B − W)
-  of Qi et al.'s ZB-H1."""
+  of Qi et al.'s ZB-H1, in rings of S slots."""
   S = num_stages
   for num_microbatches in sorted({1, S, S + 1, 3 * S + 1, 8 * S}):
     schedule = jaccum.pipeline_schedule(S, num_microbatches, schedule="zb-h1")
@@ -370,6 +370,10 @@ def test_zero_bubble_schedule_runs_each_pass_once_after_what_it_needs(num_stages
     if num_microbatches >= S:
       assert schedule.num_ticks == 3 * num_microbatches + S - 1
       assert schedule.idle == pytest.approx((S - 1) / (3 * num_microbatches + S - 1))
+      # The loop's rings: S slots from F to B, F to W and B to W; what
+      # arrives is used before the next arrival.
+      sizes = zero_bubble_tables(schedule).sizes
+      assert sizes == {"x": 1, "cotangent": 1, "fb": S, "fw": S, "bw": S}
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2])
