@@ -29,7 +29,7 @@ It also draws the schedules at S = 4, K = 8 (`--schedule-out`, by default
 `pipeline_schedule.png` beside the results; the guide's picture is
 `docs/_static/pipeline_schedule.png`).
 
-    python -m benchmarks.pipeline          # about 3 minutes on 2 CPU cores
+    python -m benchmarks.pipeline          # 63 programs compiled: minutes on 2 cores
     python -m benchmarks.pipeline --quick  # K = 2S and 4S, for CI
 
 Writes `benchmarks/results/pipeline.json` and `pipeline.md` (`results/quick/`
