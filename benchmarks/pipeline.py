@@ -1,4 +1,4 @@
-"""Benchmark: `jaccum.pipeline`'s schedules: memory against K, FLOPs, bubble, head.
+"""Benchmark: `jaccum.pipeline` schedules: idle share, memory, FLOPs against K; head.
 
 On 4 simulated CPU devices (a `"stage"` axis of 4), a model of 8 residual MLP
 blocks (64 → 512 → 64, GELU), each stage 2 blocks (1 with 2 virtual stages
@@ -8,20 +8,28 @@ input. For each schedule it reports, from the compiled step:
 
 * temporaries per device against K (`jaccum.inspect.memory`), K from 2S up,
   the batch growing with K;
-* FLOPs per device (`compiled.cost_analysis()`): XLA counts a loop's body
-  once, so this is the work of one tick, in units of F, the forward of what a
-  tick runs (a stage, or a virtual stage) on one micro-batch, compiled alone:
-  F + B is about 3, 2F + B about 4;
-* the bubble: the idle fraction of the forward ticks, and the step time in
-  lockstep ticks (each as long as its busiest device, F = 1, B = 2 for a whole
-  stage), counted from jaccum's own schedule (`_Ticks`) for V = 1, 2, 4;
+* matmul FLOPs per device and step against K, read from the compiled HLO
+  (`jaccum._hlo_cost`): each loop's body times its trip count, each tick's
+  conditionals at their costliest branch, as XLA's cost analysis counts a
+  conditional: the work of the tick's busiest device, summed over the ticks;
+* FLOPs per tick (`compiled.cost_analysis()`, which counts a loop's body
+  once), in units of F, the forward of what a tick runs (a stage, or a
+  virtual stage) on one micro-batch, compiled alone: F + B is about 3, 2F + B
+  about 4, ZB-H1's F, B or W about 1;
+* the idle share of the device-ticks and the step time in lockstep ticks
+  (each as long as its busiest device, F = B = W = 1 for a whole stage), from
+  the schedule each runs (`jaccum.pipeline_schedule`), for V = 1, 2, 4;
 * the head: a GPT-2-small-sized output layer (768 → 50,257) and its loss,
   after the pipeline as plain JAX on the output every stage holds, the same
   with the output spread over the stages by a sharding constraint, and as
   `loss_fn` in the last stage. FLOPs per device of the head alone: the
   step's, less those of the same step with a trivial loss.
 
-    python -m benchmarks.pipeline          # about 2 minutes on 2 CPU cores
+It also draws the schedules at S = 4, K = 8 (`--schedule-out`, by default
+`pipeline_schedule.png` beside the results; the guide's picture is
+`docs/_static/pipeline_schedule.png`).
+
+    python -m benchmarks.pipeline          # 63 programs compiled: minutes on 2 cores
     python -m benchmarks.pipeline --quick  # K = 2S and 4S, for CI
 
 Writes `benchmarks/results/pipeline.json` and `pipeline.md` (`results/quick/`
@@ -35,10 +43,15 @@ import os
 import pathlib
 
 import jax
+import numpy as np
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any JAX computation
 
 import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -46,7 +59,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaccum  # noqa: E402
 import jaccum.inspect  # noqa: E402
 from benchmarks import _record, report  # noqa: E402
-from jaccum._pipeline import _Ticks  # noqa: E402
+from jaccum import _hlo_cost  # noqa: E402
 
 NUM_STAGES = 4
 NUM_BLOCKS = 8
@@ -64,7 +77,11 @@ SCHEDULES = {
   "gpipe+remat V=2": ({"remat": True}, True, 2),
   "1f1b V=2": ({"schedule": "1f1b"}, True, 2),
   "1f1b+remat V=2": ({"schedule": "1f1b", "remat": True}, True, 2),
+  "zb-h1": ({"schedule": "zb-h1"}, True, 1),
+  "zb-h1+remat": ({"schedule": "zb-h1", "remat": True}, True, 1),
 }
+# The idle share's rows: (schedule, V); GPipe's equals 1F1B's at every V.
+IDLE = [("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4), ("zb-h1", 1)]
 HEAD_WIDTH, VOCAB, HEAD_ROWS = 768, 50257, 8
 
 
@@ -119,52 +136,107 @@ def flops(compiled):
 
 
 def schedules(mesh, ks):
-  """Temporaries for each K, and FLOPs at K = 2S, for every schedule."""
+  """Temporaries and step matmul FLOPs for each K, and XLA's FLOPs per tick at
+  K = 2S, for every schedule: one compile per schedule and K."""
   rows = {}
   forward = {v: tick_forward_flops(v) for v in (1, 2)}
   for name, (_, _, num_chunks) in SCHEDULES.items():
-    temp = {}
+    temp, step_flops = {}, {}
     for k in ks:
       fn, args = step(mesh, name, k)
-      temp[k] = jaccum.inspect.memory(fn, *args).temp_bytes
-    fn, args = step(mesh, name, 2 * NUM_STAGES)
-    step_flops = flops(jax.jit(fn).lower(*args).compile())
+      compiled = jax.jit(fn).lower(*args).compile()
+      # What `jaccum.inspect.memory(fn, *args).temp_bytes` reports.
+      temp[k] = compiled.memory_analysis().temp_size_in_bytes
+      step_flops[k] = _hlo_cost.matmul_flops(compiled.as_text())
+      if k == 2 * NUM_STAGES:
+        tick_flops = flops(compiled)
     rows[name] = {
       "num_chunks": num_chunks,
       "temp_bytes": temp,
-      "flops": step_flops,
-      "flops_in_f": step_flops / forward[num_chunks],
+      "step_matmul_flops": step_flops,
+      "flops": tick_flops,
+      "flops_in_f": tick_flops / forward[num_chunks],
     }
     print(
       f"{name:<18}"
       + "".join(f"{temp[k] / 1e6:>9.2f}" for k in ks)
-      + f"{step_flops / 1e6:>10.2f}{step_flops / forward[num_chunks]:>7.2f}",
+      + "".join(f"{step_flops[k] / 1e6:>9.1f}" for k in ks)
+      + f"{tick_flops / 1e6:>10.2f}{tick_flops / forward[num_chunks]:>7.2f}",
       flush=True,
     )
   return rows, forward
 
 
-def bubble(num_stages, num_chunks, num_microbatches):
-  """Idle fraction of the forward ticks, and lockstep step times, from `_Ticks`."""
-  ticks = _Ticks(num_stages, num_chunks, num_microbatches)
-  forward, backward = 1 / num_chunks, 2 / num_chunks
-  busy = sum(
-    bool(ticks.forward(t, s)[2])
-    for t in range(ticks.num_forward_ticks)
-    for s in range(num_stages)
-  )
-  idle = 1 - busy / (num_stages * ticks.num_forward_ticks)
-  # GPipe: every device computes in every tick (the bubble's work is thrown
-  # away), forwards then backwards. 1F1B: a tick lasts as long as the busiest
-  # device's work; idle work is skipped.
-  gpipe = ticks.num_forward_ticks * (forward + backward)
-  one_f_one_b = 0.0
-  for t in range(ticks.num_1f1b_ticks):
-    one_f_one_b += max(
-      forward * bool(ticks.forward(t, s)[2]) + backward * bool(ticks.backward(t, s)[2])
-      for s in range(num_stages)
+def idle_shares(num_stages, ks):
+  """`{schedule: {K: (idle share, lockstep time)}}` from `pipeline_schedule`."""
+  out = {}
+  for name, v in IDLE:
+    label = name if v == 1 else f"{name} V={v}"
+    out[label] = {}
+    for k in ks:
+      schedule = jaccum.pipeline_schedule(
+        num_stages, k, schedule=name, num_virtual_stages=v
+      )
+      out[label][k] = {"idle": schedule.idle, "time": schedule.time}
+  return out
+
+
+def plot_schedules(num_stages, num_microbatches, path: pathlib.Path) -> None:
+  """Each schedule as a timeline of lockstep ticks, from `pipeline_schedule`:
+  a tick lasts as long as its busiest device's work (F, B, W each 1/V of a
+  whole stage's forward), and a device runs its work in order within it."""
+  colors = {"F": "#4c8bd6", "B": "#f0913a", "W": "#5bb35b"}
+  panels = [
+    ("gpipe", 1, "GPipe: a forward loop, then autodiff's backward loop"),
+    ("1f1b", 1, "1F1B, the loss in the last stage: a forward and a backward per tick"),
+    ("1f1b", 2, "1F1B, num_virtual_stages=2 (the second stage per device hatched)"),
+    ("zb-h1", 1, "ZB-H1: one of F, B, W per tick, W where the device would idle"),
+  ]
+  fig, axes = plt.subplots(len(panels), 1, figsize=(12, 8.4))
+  ends = []
+  for ax, (name, num_chunks, title) in zip(axes, panels, strict=True):
+    schedule = jaccum.pipeline_schedule(
+      num_stages, num_microbatches, schedule=name, num_virtual_stages=num_chunks
     )
-  return {"idle": idle, "gpipe_time": gpipe, "1f1b_time": one_f_one_b}
+    cost = 1 / num_chunks
+    time = 0.0
+    for tick in schedule.ticks:
+      width = max(len(works) for works in tick) * cost
+      for s, works in enumerate(tick):
+        ax.add_patch(plt.Rectangle((time, s), width, 1, fc="#eeeeee", ec="white"))
+        for i, (kind, k, v) in enumerate(works):
+          start = time + i * cost
+          hatch = "////" if v == 1 else None
+          box = plt.Rectangle((start, s), cost, 1, fc=colors[kind], ec="white")
+          box.set_hatch(hatch)
+          ax.add_patch(box)
+          ax.text(start + cost / 2, s + 0.5, k, ha="center", va="center", fontsize=6)
+      time += width
+    ends.append(time)
+    ax.set(ylim=(num_stages, 0), yticks=np.arange(num_stages) + 0.5)
+    ax.set_yticklabels([f"device {s}" for s in range(num_stages)])
+    ax.set_title(
+      f"{title}: time {time:g}, idle {schedule.idle:.1%}", fontsize=9, loc="left"
+    )
+    for spine in ("top", "right", "left"):
+      ax.spines[spine].set_visible(False)
+  for ax in axes:
+    ax.set_xlim(0, max(ends))
+  axes[-1].set_xlabel("time, in forwards of one micro-batch through one stage")
+  handles = [plt.Rectangle((0, 0), 1, 1, fc=colors[k]) for k in "FBW"]
+  handles.append(plt.Rectangle((0, 0), 1, 1, fc="#eeeeee"))
+  labels = ["F: forward", "B: backward to the input", "W: to the weights", "idle"]
+  fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+  fig.suptitle(
+    f"S={num_stages} devices, K={num_microbatches} micro-batches (numbered), in "
+    "lockstep ticks (jaccum.pipeline_schedule)",
+    fontsize=10,
+  )
+  fig.tight_layout(rect=(0, 0.03, 1, 1))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  print(f"saved {path}")
 
 
 def head_flops(mesh):
@@ -220,16 +292,14 @@ def run(quick: bool) -> dict:
   ks = (2 * S, 4 * S) if quick else (2 * S, 4 * S, 8 * S, 16 * S, 32 * S)
   print(
     f"{S} stages, {NUM_BLOCKS} MLP blocks {WIDTH}->{HIDDEN}->{WIDTH}, micro-batches"
-    f" of {MICROBATCH_ROWS} rows; temporaries per device (MB) for K = {list(ks)};"
-    " FLOPs per device at K = 2S (MFLOP, and in F)"
+    f" of {MICROBATCH_ROWS} rows; temporaries per device (MB) and matmul MFLOP"
+    f" per step for K = {list(ks)}; FLOPs per tick at K = 2S (MFLOP, and in F)"
   )
   rows, forward = schedules(mesh, ks)
-  bubbles = {
-    v: {k: bubble(S, v, k) for k in (S, 2 * S, 4 * S, 8 * S)} for v in (1, 2, 4)
-  }
-  for v, by_k in bubbles.items():
+  idle = idle_shares(S, (S, 2 * S, 4 * S, 8 * S))
+  for label, by_k in idle.items():
     print(
-      f"V={v} bubble: " + ", ".join(f"K={k} {b['idle']:.1%}" for k, b in by_k.items())
+      f"{label} idle: " + ", ".join(f"K={k} {b['idle']:.1%}" for k, b in by_k.items())
     )
   heads = head_flops(mesh)
   print(
@@ -245,7 +315,7 @@ def run(quick: bool) -> dict:
     "ks": list(ks),
     "forward_flops": forward,
     "schedules": rows,
-    "bubble": bubbles,
+    "idle": idle,
     "head": {"width": HEAD_WIDTH, "vocab": VOCAB, **heads},
   }
 
@@ -254,6 +324,11 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="K = 2S and 4S only")
   parser.add_argument("--out", type=pathlib.Path, help="write the record here only")
+  parser.add_argument(
+    "--schedule-out",
+    type=pathlib.Path,
+    help="draw the schedules at S = 4, K = 8 here (default: beside the results)",
+  )
   args = parser.parse_args()
   # XLA's passes, and so the compiled program's buffers and FLOPs, are the
   # same without LLVM's optimisations, which take most of each compile.
@@ -264,11 +339,18 @@ def main():
   record = run(args.quick)
   if args.out:
     args.out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.schedule_out:
+      plot_schedules(NUM_STAGES, 2 * NUM_STAGES, args.schedule_out)
     return
   path, _, table = _record.save_with_table(
     "pipeline", args.quick, load_before, record, report.pipeline_section
   )
   print(f"\n{table}\nsaved {path.with_suffix('.md')}")
+  plot_schedules(
+    NUM_STAGES,
+    2 * NUM_STAGES,
+    args.schedule_out or path.with_name("pipeline_schedule.png"),
+  )
 
 
 if __name__ == "__main__":

@@ -291,10 +291,11 @@ def distributed_section(distributed: dict[str, Any]) -> str:
 
 
 def pipeline_section(pipeline: dict[str, Any]) -> str:
-  """`jaccum.pipeline`: temporaries against K, FLOPs per tick, bubble, head."""
+  """`jaccum.pipeline`: idle share, temporaries and FLOPs against K, head."""
   ks = [str(k) for k in pipeline["ks"]]
   S = pipeline["num_stages"]
-  rows = []
+  two_s = str(2 * S)
+  rows, flop_rows = [], []
   for name, row in pipeline["schedules"].items():
     temp = row["temp_bytes"]
     first, last = ks[0], ks[-1]
@@ -308,28 +309,25 @@ def pipeline_section(pipeline: dict[str, Any]) -> str:
         f"{row['flops_in_f']:.2f}",
       ]
     )
+    step = row["step_matmul_flops"]
+    flop_rows.append([name, *(f"{step[k] / 1e6:.1f}" for k in ks)])
   schedules = markdown_table(
     [
       "schedule",
       *(f"K={k}" for k in ks),
       f"kB per micro-batch, K={ks[0]}→{ks[-1]}",
-      f"MFLOP at K={2 * S}",
+      f"MFLOP per tick at K={two_s}",
       "in F",
     ],
     rows,
   )
-  bubble_ks = list(next(iter(pipeline["bubble"].values())))
-  bubble_rows = [
-    [
-      f"V={v}",
-      *(
-        f"{b[k]['idle']:.1%} ({b[k]['gpipe_time']:g} / {b[k]['1f1b_time']:g})"
-        for k in bubble_ks
-      ),
-    ]
-    for v, b in pipeline["bubble"].items()
+  flop_table = markdown_table(["schedule", *(f"K={k}" for k in ks)], flop_rows)
+  idle_ks = list(next(iter(pipeline["idle"].values())))
+  idle_rows = [
+    [name, *(f"{b[k]['idle']:.1%} ({b[k]['time']:g})" for k in idle_ks)]
+    for name, b in pipeline["idle"].items()
   ]
-  bubble = markdown_table(["", *(f"K={k}" for k in bubble_ks)], bubble_rows)
+  idle = markdown_table(["", *(f"K={k}" for k in idle_ks)], idle_rows)
   head = pipeline["head"]
   K = head["num_microbatches"]
   per_microbatch = head["loss_fn"]
@@ -359,15 +357,22 @@ def pipeline_section(pipeline: dict[str, Any]) -> str:
       f"{pipeline['microbatch_rows']} rows, `value_and_grad` of `sum(sin(y))` "
       'computed by the last stage (`loss_fn`; "loss after": plain JAX on the '
       "pipeline's output). Temporaries per device in MB (`jaccum.inspect.memory`) "
-      "as K grows with the batch; FLOPs per device from `cost_analysis()`, which "
-      "counts a loop's body once: the work of one tick, also in units of F, one "
-      "tick's forward on one micro-batch compiled alone (F + B ≈ 3, 2F + B ≈ 4).\n",
+      "as K grows with the batch; FLOPs per tick from `cost_analysis()`, which "
+      "counts a loop's body once, also in units of F, one tick's forward on one "
+      "micro-batch compiled alone (F + B ≈ 3, 2F + B ≈ 4; ZB-H1 runs one of F, "
+      "B, W ≈ 1 per tick).\n",
       schedules,
-      "\nBubble: idle fraction of the forward ticks, from jaccum's schedule "
-      "(`_Ticks`), S = 4, V stages per device; in brackets the step time in "
-      "lockstep ticks, each as long as its busiest device (F = 1, B = 2 for a "
-      "whole stage), GPipe / 1F1B.\n",
-      bubble,
+      "\nMatmul MFLOP per device and step, read from the compiled HLO "
+      "(`jaccum._hlo_cost`): each loop's body times its trip count, each "
+      "conditional at its costliest branch, as XLA counts one: per tick, the "
+      "work of the device that works the most.\n",
+      flop_table,
+      f"\nIdle share of the device-ticks, S = {S}, from the schedule each runs "
+      "(`jaccum.pipeline_schedule`), each tick as long as its busiest device, "
+      "F = B = W = 1/V of a whole stage's forward; in brackets the step time "
+      "in those units. GPipe's and 1F1B's are the bubble (S − 1)/(V·K + S − 1), "
+      "ZB-H1's (S − 1)/(3K + S − 1).\n",
+      idle,
       f"\nThe head: an output layer {head['width']} → {head['vocab']:,} and its "
       f"cross-entropy on {head['rows']} rows (K = {K}), GFLOP per device per step "
       "(the step's, less the same step's with a trivial loss):\n",

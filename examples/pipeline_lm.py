@@ -7,20 +7,22 @@ split into 4 stages (with `--virtual-stages 2`, 8 stages of one block, two
 per device); `jaccum.pipeline` runs stage s on the devices at position s of a
 `"stage"` mesh axis with K micro-batches flowing through the stages, and
 each of the 2 positions of a `"data"` axis pipelines its own half of the
-batch. With `--schedule 1f1b` the last stage also computes the head and the
-token-weighted loss (`loss_fn`); with GPipe they are plain JAX after the
-pipeline, its output spread over the stages by one sharding constraint.
+batch. With `--schedule 1f1b` (or `zb-h1`) the last stage also computes the
+head and the token-weighted loss (`loss_fn`); with GPipe they are plain JAX
+after the pipeline, its output spread over the stages by one sharding
+constraint.
 
 Each stage draws its dropout masks from the key jaccum folds with the
 micro-batch and the stage. The same model is trained unpipelined, on one
 device, from the same start, on the same batches and with the same keys (a
 plain loop over micro-batches and stages): the loss curves agree to float32
-rounding. The script prints the bubble, the modelled step time of each
-schedule, each device's share of the parameters, and saves the loss curves
-and a picture of the schedules.
+rounding. The script prints each schedule's idle share and step time in
+lockstep ticks (`jaccum.pipeline_schedule`), each device's share of the
+parameters, and saves the loss curves.
 
-  python examples/pipeline_lm.py [--quick] [--steps N] [--schedule gpipe|1f1b]
-      [--virtual-stages V] [--dropout P] [--out PATH.png] [--schedule-out PATH.png]
+  python examples/pipeline_lm.py [--quick] [--steps N]
+      [--schedule gpipe|1f1b|zb-h1] [--virtual-stages V] [--dropout P]
+      [--out PATH.png]
 """
 
 from __future__ import annotations
@@ -147,8 +149,9 @@ def embed_inputs(params, inputs):
 
 
 def pipelined_loss(mesh, stage_fn, schedule: str, num_chunks: int):
-  """The per-token loss, the blocks pipelined; the head inside it with 1F1B."""
-  if schedule == "1f1b":
+  """The per-token loss, the blocks pipelined; the head inside it with 1F1B
+  and ZB-H1."""
+  if schedule != "gpipe":
 
     def loss(params, inputs, targets, mask, key):
       # The head's parameters reach loss_fn by closure: they get gradients.
@@ -158,7 +161,7 @@ def pipelined_loss(mesh, stage_fn, schedule: str, num_chunks: int):
         NUM_MICROBATCHES,
         mesh=mesh,
         data_axes="data",
-        schedule="1f1b",
+        schedule=schedule,
         loss_fn=head,
         num_virtual_stages=num_chunks,
       )
@@ -267,155 +270,14 @@ def tree_bytes(tree) -> int:
   return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
 
 
-# --- the schedules: who works on what, tick by tick -----------------------------
-
-
-def slot(num_stages, num_chunks, num_microbatches, offset, reverse=False):
-  """`(micro-batch, chunk)` at `offset` ticks into the schedule, or None.
-
-  Micro-batches enter in groups of S; micro-batch g·S + j passes chunk v of
-  device s at tick g·S·V + v·S + j + s (jaccum's `_Ticks`); backwards run
-  the same way in reverse.
-  """
-  period = num_stages * num_chunks
-  group, rest = divmod(offset, period)
-  microbatch = group * num_stages + rest % num_stages
-  chunk = rest // num_stages
-  if offset < 0 or microbatch >= num_microbatches:
-    return None
-  return microbatch, (num_chunks - 1 - chunk if reverse else chunk)
-
-
-def schedule(num_stages, num_chunks, num_microbatches, name):
-  """`loops[i][t][s]`: device s's work in tick t of loop i, `(kind, micro-batch,
-  chunk)` with kind F (forward) or B (backward).
-
-  GPipe: a forward loop, then autodiff's backward loop (the forward in
-  reverse). 1F1B: one loop; a device runs a forward and a backward per tick,
-  the last stage both on the same micro-batch.
-  """
-  S, V, K = num_stages, num_chunks, num_microbatches
-  last = (K - 1) // S * S * V + (K - 1) % S
-  forward_ticks = last + S * V
-  lag = S * (V + 1) - 2
-
-  def work(kind, found):
-    return [] if found is None else [(kind, *found)]
-
-  if name == "gpipe":
-    forward = [
-      [work("F", slot(S, V, K, t - s)) for s in range(S)] for t in range(forward_ticks)
-    ]
-    return [
-      forward,
-      [
-        [work("B", cell[0][1:]) if cell else [] for cell in tick]
-        for tick in forward[::-1]
-      ],
-    ]
-  ticks = last + 2 * S * V - 1
-  return [
-    [
-      [
-        work("F", slot(S, V, K, t - s)) + work("B", slot(S, V, K, t - lag + s, True))
-        for s in range(S)
-      ]
-      for t in range(ticks)
-    ]
-  ]
-
-
-def modelled(num_stages, num_chunks, num_microbatches, name):
-  """`(step time, idle fraction)` in lockstep ticks, each as long as its busiest
-  device; a stage's forward on one micro-batch takes 1, its backward 2, a
-  chunk's 1/V of that."""
-  cost = {"F": 1 / num_chunks, "B": 2 / num_chunks}
-  total, busy = 0.0, 0.0
-  for loop in schedule(num_stages, num_chunks, num_microbatches, name):
-    for tick in loop:
-      work = [sum(cost[kind] for kind, *_ in cell) for cell in tick]
-      total += max(work)
-      busy += sum(work)
-  return total, 1 - busy / (num_stages * total)
-
-
-def plot_schedules(num_stages, num_microbatches, path: pathlib.Path) -> None:
-  """Each schedule as a timeline: a tick lasts as long as its busiest device's
-  work (a forward 1, a backward 2, a virtual stage's half that), and a device
-  runs its forward, then its backward, within it."""
-  colors = {"F": "#4c8bd6", "B": "#f0913a"}
-  panels = [
-    ("gpipe", 1, "GPipe: a forward loop, then autodiff's backward loop"),
-    ("1f1b", 1, "1F1B, the loss in the last stage: a forward and a backward per tick"),
-    (
-      "1f1b",
-      2,
-      "1F1B, num_virtual_stages=2: two stages per device (the second "
-      "hatched), each half the work",
-    ),
-  ]
-  fig, axes = plt.subplots(len(panels), 1, figsize=(12, 6.6))
-  ends = []
-  for ax, (name, num_chunks, title) in zip(axes, panels, strict=True):
-    cost = {"F": 1 / num_chunks, "B": 2 / num_chunks}
-    time = 0.0
-    for loop in schedule(num_stages, num_chunks, num_microbatches, name):
-      for tick in loop:
-        width = max(sum(cost[kind] for kind, *_ in cell) for cell in tick)
-        for s, cell in enumerate(tick):
-          ax.add_patch(plt.Rectangle((time, s), width, 1, fc="#eeeeee", ec="white"))
-          start = time
-          for kind, k, v in sorted(cell, key=lambda w: "FB".index(w[0])):
-            ax.add_patch(
-              plt.Rectangle(
-                (start, s),
-                cost[kind],
-                1,
-                fc=colors[kind],
-                ec="white",
-                hatch="////" if v == 1 else None,
-              )
-            )
-            ax.text(
-              start + cost[kind] / 2, s + 0.5, k, ha="center", va="center", fontsize=6
-            )
-            start += cost[kind]
-        time += width
-    ends.append(time)
-    ax.set(ylim=(num_stages, 0), yticks=np.arange(num_stages) + 0.5)
-    ax.set_yticklabels([f"device {s}" for s in range(num_stages)])
-    ax.set_title(f"{title}: {time:g}", fontsize=9, loc="left")
-    for spine in ("top", "right", "left"):
-      ax.spines[spine].set_visible(False)
-  for ax in axes:
-    ax.set_xlim(0, max(ends))
-  axes[-1].set_xlabel("time, in forwards of one micro-batch through one stage")
-  handles = [plt.Rectangle((0, 0), 1, 1, fc=colors[k]) for k in "FB"]
-  handles.append(plt.Rectangle((0, 0), 1, 1, fc="#eeeeee"))
-  fig.legend(
-    handles, ["forward", "backward", "idle"], loc="lower center", ncol=3, fontsize=8
-  )
-  fig.suptitle(
-    f"S={num_stages} devices, K={num_microbatches} micro-batches (numbered), in "
-    "lockstep ticks",
-    fontsize=10,
-  )
-  fig.tight_layout(rect=(0, 0.04, 1, 1))
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  print(f"saved {path}")
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a few steps, for CI")
   parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+  parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="1f1b")
   parser.add_argument("--virtual-stages", type=int, choices=(1, 2), default=1)
   parser.add_argument("--dropout", type=float, default=0.1)
   parser.add_argument("--out", default="examples/out/pipeline_lm.png")
-  parser.add_argument("--schedule-out", default="examples/out/pipeline_schedule.png")
   args = parser.parse_args()
   num_steps = args.steps or (3 if args.quick else 200)
   num_chunks = args.virtual_stages
@@ -466,23 +328,19 @@ def main() -> None:
     f"at step 0 {gap[0]:.2e}"
   )
   K = NUM_MICROBATCHES
-  for v in (1, 2):
-    bubble = (STAGES - 1) / (v * K + STAGES - 1)
-    print(
-      f"bubble with {v} stage(s) per device: (S - 1) / (V·K + S - 1) = "
-      f"{STAGES - 1}/{v * K + STAGES - 1} = {bubble:.1%} at K={K}"
-    )
   print(
-    "modelled step (lockstep ticks, a tick as long as its busiest device; time "
-    "in forwards of one micro-batch through one stage, a backward = 2) and idle "
-    "fraction:"
+    "step time in lockstep ticks (each as long as its busiest device; time in "
+    "forwards of one micro-batch through one stage, F = B = W = 1) and idle "
+    "share, from jaccum.pipeline_schedule:"
   )
   for k in (K, 4 * K):
     cells = []
-    for name in ("gpipe", "1f1b"):
-      for v in (1, 2):
-        time_units, idle = modelled(STAGES, v, k, name)
-        cells.append(f"{name}{f'×{v}' if v > 1 else ''} {time_units:g} ({idle:.1%})")
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)):
+      schedule = jaccum.pipeline_schedule(
+        STAGES, k, schedule=name, num_virtual_stages=v
+      )
+      label = name + (f"×{v}" if v > 1 else "")
+      cells.append(f"{label} {schedule.time:g} ({schedule.idle:.1%})")
     print(f"  K={k}: " + ", ".join(cells))
   device = mesh.devices.flat[0]
   total = tree_bytes(params)
@@ -524,7 +382,6 @@ def main() -> None:
   out.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(out, dpi=120)
   print(f"saved {out}")
-  plot_schedules(STAGES, NUM_MICROBATCHES, pathlib.Path(args.schedule_out))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from jaccum._microbatch import split_microbatches
 from jaccum._multisteps import MultiSteps, MultiStepsState
 from jaccum._parallel import data_parallel
 from jaccum._pipeline import pipeline
+from jaccum._pipeline_schedule import PipelineSchedule, pipeline_schedule
 from jaccum._plan import CostModel, Plan, PlanPoint, Remat, fit_plan
 from jaccum._powersgd import PowerSGD, PowerSGDState
 from jaccum._schedule import (
@@ -31,6 +32,7 @@ __all__ = [
   "MultiStepsState",
   "NoiseScaleEMA",
   "NoiseScaleEMAState",
+  "PipelineSchedule",
   "Plan",
   "PlanPoint",
   "PowerSGD",
@@ -43,6 +45,7 @@ __all__ = [
   "fit_plan",
   "fit_train_step",
   "pipeline",
+  "pipeline_schedule",
   "split_microbatches",
 ]
 

@@ -4,10 +4,11 @@ The S stages of a model live on the S positions of a mesh axis; with
 `num_virtual_stages=V`, each device holds V of the L = S·V stages (device s
 holds stages s, S + s, …, as in Megatron's interleaved schedule and MaxText's
 circular pipeline). Each data shard's rows are cut into K micro-batches,
-which flow through the stages in a `lax.scan` over ticks: in a tick every
-device runs at most one stage forward (F) and, in 1F1B, one backward (B),
-then hands activations to the next device and cotangents to the previous one
-with a `ppermute`.
+which flow through the stages in a `lax.scan` over the ticks of a schedule
+(`pipeline_schedule`): in a tick every device runs at most one stage forward
+(F) and, in 1F1B, one backward; ZB-H1 runs one of F, B (the backward to the
+stage's input) and W (to its weights). Then each device hands activations to
+the next device and cotangents to the previous one with a `ppermute`.
 
 Everything runs in one `shard_map` over the stage and data axes, under
 `jit`. `stage_fn` and `loss_fn` are traced once, inside it, into programs
@@ -23,14 +24,17 @@ dtype, and `shard_map`'s transpose sums each over the devices once.
   micro-batch's loss right after its forward, so that micro-batch's backward
   starts while later ones still go forward. A custom VJP: its forward rule
   runs that loop and returns the gradients, its backward rule scales them.
+- `"zb-h1"` (with `loss_fn`): the same custom VJP around a loop that runs,
+  per tick, what the schedule's table says: F, B or W. The stage's backward
+  program is cut in two (`_pipeline_backward`): B sends the input's
+  cotangent on at once, W follows when the device would otherwise idle.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +42,21 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
+from jaccum import _pipeline_backward
 from jaccum._microbatch import check_num_microbatches
+from jaccum._pipeline_schedule import (
+  KINDS,
+  PipelineSchedule,
+  ScheduleName,
+  _Ticks,
+  check_positive_int,
+  check_schedule,
+  pipeline_schedule,
+  zero_bubble_tables,
+)
 from jaccum._reduce import check_accum_dtype
 
 P = jax.sharding.PartitionSpec
-Schedule = Literal["gpipe", "1f1b"]
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def pipeline(
@@ -53,7 +66,7 @@ def pipeline(
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
   axis: str = "stage",
   data_axes: str | Sequence[str] = (),
-  schedule: Schedule = "gpipe",
+  schedule: ScheduleName = "gpipe",
   remat: bool = False,
   loss_fn: Callable[[Any, Any], Any] | None = None,
   num_virtual_stages: int = 1,
@@ -85,10 +98,12 @@ def pipeline(
   whole batch (D data shards). Micro-batch m holds rows m·R to (m + 1)·R − 1
   (R = N / (D × K)): each data shard cuts its block of rows into K in order.
   The head and the loss then run once per micro-batch, on the last stage,
-  instead of on the output that every stage holds; and `"1f1b"` can start a
-  micro-batch's backward right after its forward.
+  instead of on the output that every stage holds; and `"1f1b"` and
+  `"zb-h1"` can start a micro-batch's backward right after its forward.
 
-  Schedules, with F a stage's forward on one micro-batch and B its backward:
+  Schedules, with F a stage's forward on one micro-batch and B its backward
+  (B ≈ 2F; `"zb-h1"` runs it as B, to the stage's input, and W, to its
+  weights, each ≈ F):
 
   - `"gpipe"`: F + B per micro-batch and stage; a stage keeps the
     activations of all K + S − 1 ticks for the backward, growing with K
@@ -104,11 +119,21 @@ def pipeline(
     S = 4, V = 2). Needs `loss_fn`; reverse mode only. From K ≈ 2S on: the
     least compute, or with `remat` the least memory, which does not grow
     with K.
+  - `"zb-h1"`: F + B + W (= F + B), the zero-bubble schedule ZB-H1 of Qi et
+    al.: B runs as soon as the next stage's cotangent arrives, W later, in
+    ticks where the device would otherwise idle. A device keeps, per
+    micro-batch, the residuals B and W need from F to B or W, and what W
+    needs of B from B to W: at most S micro-batches at once, whatever K
+    (with `remat`: 2F + B + W; the stage input from F to B, and what W needs
+    from B to W). Needs `loss_fn` and V = 1; reverse mode only. The least
+    idle time: 3K + S − 1 ticks of F, B or W for K ≥ S.
 
-  In lockstep ticks both take (K + S − 1)(F + B); a stage is idle for the
-  bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V` each
-  device runs V stages, each 1/V of the work, and a micro-batch goes round
-  the devices V times: the bubble falls to (S − 1) / (V·K + S − 1).
+  In lockstep ticks GPipe and 1F1B take (K + S − 1)(F + B); a stage is idle
+  for the bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V`
+  each device runs V stages, each 1/V of the work, and a micro-batch goes
+  round the devices V times: the bubble falls to (S − 1) / (V·K + S − 1).
+  ZB-H1 idles (S − 1) / (3K + S − 1) of its ticks (F = B = W), a third of
+  1F1B's bubble; `pipeline_schedule` draws any of them.
 
   Args:
     stage_fn: `stage_fn(params_l, x_mb) -> y_mb`, one stage on one
@@ -122,7 +147,7 @@ def pipeline(
       `data_axes`.
     axis: the mesh axis of the stages.
     data_axes: the mesh axes that shard the batch (e.g. `"data"`).
-    schedule: `"gpipe"` or `"1f1b"`, above.
+    schedule: `"gpipe"`, `"1f1b"` or `"zb-h1"`, above.
     remat: keep only each stage's micro-batch inputs for the backward and
       recompute the rest (`jax.checkpoint`): one more forward.
     loss_fn: `loss_fn(y_mb, targets_mb) -> scalar`, the loss of one
@@ -130,7 +155,8 @@ def pipeline(
       (the head's weights) get gradients like arguments. For a mean over the
       batch, make it a sum over its rows and divide `f`'s result by the
       number of rows (or tokens).
-    num_virtual_stages: stages per device, V (L = S·V stages in all).
+    num_virtual_stages: stages per device, V (L = S·V stages in all); 1
+      with `"zb-h1"`.
     accum_dtype: floating gradients narrower than this (bfloat16) are
       accumulated in it and cast back at the end (the stage parameters' are
       also summed over devices in it); `None` keeps their dtype. The summed
@@ -159,7 +185,8 @@ def pipeline(
     ValueError: an axis or option is unknown, a mesh axis is neither `axis`
       nor a data axis, a leading size is not the number of stages, N does
       not split into D × K micro-batches, `stage_fn` changes its input's
-      structure, shape or dtype, or `"1f1b"` has no `loss_fn`.
+      structure, shape or dtype, `"1f1b"` or `"zb-h1"` has no `loss_fn`, or
+      `"zb-h1"` has V > 1.
     TypeError: `num_microbatches` or `num_virtual_stages` is not a positive
       int, `loss_fn` does not return a floating scalar, `targets` is given
       without `loss_fn`, `rng` is not a key.
@@ -182,33 +209,42 @@ def pipeline(
     >>> bool(jnp.allclose(f(ws, x), sequential))
     True
 
-    The loss in the last stage, and the 1F1B schedule:
+    The loss in the last stage, and the 1F1B and zero-bubble schedules:
 
     >>> loss = lambda y, t: jnp.sum((y - t) ** 2)
-    >>> f = jaccum.pipeline(stage, 2, mesh=mesh, schedule="1f1b", loss_fn=loss)
-    >>> grads = jax.jit(jax.grad(f))(ws, x, jnp.ones_like(x))
     >>> def sequential_loss(ws):
     ...   y = x
     ...   for w in ws:
     ...     y = stage(w, y)
     ...   return loss(y, jnp.ones_like(x))
-    >>> bool(jnp.allclose(grads, jax.grad(sequential_loss)(ws), atol=1e-6))
+    >>> for schedule in ("1f1b", "zb-h1"):
+    ...   f = jaccum.pipeline(stage, 2, mesh=mesh, schedule=schedule, loss_fn=loss)
+    ...   grads = jax.jit(jax.grad(f))(ws, x, jnp.ones_like(x))
+    ...   print(bool(jnp.allclose(grads, jax.grad(sequential_loss)(ws), atol=1e-6)))
+    True
     True
   """
   num_microbatches = check_num_microbatches(num_microbatches)
-  num_chunks = _check_positive_int(num_virtual_stages, "num_virtual_stages")
+  num_chunks = check_positive_int(num_virtual_stages, "num_virtual_stages")
   accum = check_accum_dtype(accum_dtype, "accum_dtype")
-  if schedule not in SCHEDULES:
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
-  if schedule == "1f1b" and loss_fn is None:
+  check_schedule(schedule, num_chunks)
+  if schedule != "gpipe" and loss_fn is None:
     raise ValueError(
-      'schedule="1f1b" needs loss_fn=: a micro-batch\'s backward starts right '
-      "after its loss, which the last stage must therefore compute. Pass the "
-      'head and loss as loss_fn=, or use "gpipe" (remat=True for less memory).'
+      f'schedule="{schedule}" needs loss_fn=: a micro-batch\'s backward starts '
+      "right after its loss, which the last stage must therefore compute. Pass "
+      'the head and loss as loss_fn=, or use "gpipe" (remat=True for less '
+      "memory)."
     )
   data_axes = _check_axes(mesh, axis, data_axes)
   num_shards = math.prod(mesh.shape[a] for a in data_axes)
-  ticks = _Ticks(mesh.shape[axis], num_chunks, num_microbatches)
+  # The schedule the loops run, as `pipeline_schedule` returns it.
+  plan = pipeline_schedule(
+    mesh.shape[axis],
+    num_microbatches,
+    schedule=schedule,
+    num_virtual_stages=num_chunks,
+  )
+  ticks = _Ticks(plan.num_stages, num_chunks, num_microbatches)
 
   def apply(
     stage_params: Any,
@@ -231,7 +267,7 @@ def pipeline(
     batch = {"x": x} if loss_fn is None else {"x": x, "targets": targets}
     _check_batch(batch, num_microbatches, num_shards, data_axes)
     key_data, key_impl = (None, None) if rng is None else _check_key(rng)
-    layout = _Layout(ticks, axis, data_axes, bool(remat), accum, key_impl)
+    layout = _Layout(plan, axis, data_axes, bool(remat), accum, key_impl)
     param_dtypes = jax.tree.map(_dtype, params)
 
     def local(params, x, targets, key, state):
@@ -248,9 +284,9 @@ def pipeline(
         key=key,
         state=state,
       )
-      if schedule == "1f1b":
+      if schedule != "gpipe":
         assert head is not None
-        out, state = _one_f_one_b(layout, stage, head, param_dtypes, args)
+        out, state = _gradient_loop(layout, stage, head, param_dtypes, args)
       else:
         out, state = _gpipe(layout, stage, head, param_dtypes, args)
       out = out if head is None else out[None]  # each device's share
@@ -259,7 +295,7 @@ def pipeline(
     # Parameters enter in `accum_dtype` and are cast to their own dtype where
     # a stage uses them: their gradients are accumulated in it, and summed
     # over the data shards in it by `shard_map`'s transpose.
-    widened = jax.tree.map(lambda a: a.astype(layout.accum_dtype(a.dtype)), params)
+    widened = layout.widen(params)
     inputs = (widened, x, targets, key_data, chunked_state)
     specs = _specs(layout)
     # A loss comes out as each device's share, summed after `shard_map`:
@@ -286,98 +322,21 @@ def pipeline(
   return apply
 
 
-# --- the schedule: who runs what, tick by tick --------------------------------
-
-
-class _Ticks(NamedTuple):
-  """Which micro-batch and which of its V chunks a device runs at a tick.
-
-  Micro-batches enter in groups of S. Micro-batch k = g·S + j passes stage
-  l = v·S + s (chunk v of device s) forward at tick g·S·V + v·S + j + s: it
-  reaches the next stage one tick later, goes round the devices V times, and
-  no device gets two forwards in one tick. Backwards run the same way in
-  reverse, starting in the tick of the last stage's forward: stage l runs a
-  micro-batch's backward 2(L − 1 − l) ticks after its forward. The
-  arithmetic works on Python ints, NumPy and traced arrays alike.
-  """
-
-  num_stages: int
-  num_chunks: int
-  num_microbatches: int
-
-  def _slot(self, offset: Any, reverse: bool) -> tuple[Any, Any, Any]:
-    period = self.num_stages * self.num_chunks
-    group, rest = offset // period, offset % period
-    microbatch = group * self.num_stages + rest % self.num_stages
-    chunk = rest // self.num_stages
-    if reverse:
-      chunk = self.num_chunks - 1 - chunk
-    return microbatch, chunk, (offset >= 0) & (microbatch < self.num_microbatches)
-
-  def forward(self, tick: Any, device: Any) -> tuple[Any, Any, Any]:
-    """`(micro-batch, chunk, active)` of the forward `device` runs at `tick`."""
-    return self._slot(tick - device, reverse=False)
-
-  def backward(self, tick: Any, device: Any) -> tuple[Any, Any, Any]:
-    """`(micro-batch, chunk, active)` of the backward `device` runs at `tick`."""
-    return self._slot(tick - self._lag_offset + device, reverse=True)
-
-  @property
-  def _lag_offset(self) -> int:
-    return self.num_stages * (self.num_chunks + 1) - 2
-
-  def _start(self, microbatch: int) -> int:
-    """The tick of micro-batch k's forward through the first stage."""
-    group, j = divmod(microbatch, self.num_stages)
-    return group * self.num_stages * self.num_chunks + j
-
-  @property
-  def num_forward_ticks(self) -> int:
-    last = self._start(self.num_microbatches - 1)
-    return last + self.num_stages * self.num_chunks
-
-  @property
-  def num_1f1b_ticks(self) -> int:
-    last = self._start(self.num_microbatches - 1)
-    return last + 2 * self.num_stages * self.num_chunks - 1
-
-  def ring_sizes(self) -> tuple[int, ...]:
-    """For each chunk, the most micro-batches a device holds between F and B.
-
-    Counted in the tick of a forward, after it writes its slot and before
-    that tick's backward reads one. The micro-batches a device holds for a
-    chunk are consecutive, so slot `k % size` never holds two at once.
-    Counted as if more micro-batches followed: an idle forward at the end
-    writes the slot micro-batch K + j would use, harmlessly, rather than
-    spend a `select` on keeping the slot's old value.
-    """
-    S, V = self.num_stages, self.num_chunks
-    num_microbatches = self.num_microbatches + 3 * S
-    starts = np.array([self._start(k) for k in range(num_microbatches)])
-    sizes = []
-    for v in range(V):
-      size = 1
-      for s in range(S):
-        stage = v * S + s
-        forward = starts + stage
-        backward = forward + 2 * (S * V - 1 - stage)
-        ticks = np.arange(forward[0], self.num_1f1b_ticks)
-        done = np.searchsorted(forward, ticks, side="right")
-        freed = np.searchsorted(backward, ticks, side="left")
-        size = max(size, int((done - freed).max()))
-      sizes.append(size)
-    return tuple(sizes)
-
-
 class _Layout(NamedTuple):
   """The static facts the loops need."""
 
-  ticks: _Ticks
+  schedule: PipelineSchedule
   axis: str
   data_axes: tuple[str, ...]
   remat: bool
   accum: np.dtype | None
   key_impl: Any  # a typed key's implementation, None for a raw uint32 key
+
+  @property
+  def ticks(self) -> _Ticks:
+    """The schedule's arithmetic, which the GPipe and 1F1B loops trace."""
+    plan = self.schedule
+    return _Ticks(plan.num_stages, plan.num_virtual_stages, plan.num_microbatches)
 
   @property
   def all_axes(self) -> tuple[str, ...]:
@@ -398,13 +357,18 @@ class _Layout(NamedTuple):
     index = data * ticks.num_microbatches + microbatch
     return jax.random.fold_in(jax.random.fold_in(key, index), stage)
 
-  def accum_dtype(self, dtype: Any) -> np.dtype:
-    """`dtype`, or `accum_dtype` where that is a wider float."""
-    dtype = np.dtype(dtype)
+  def accum_dtype(self, dtype: Any) -> Any:
+    """`dtype`, or `accum_dtype` where that is a wider float. Other dtypes
+    (integers, PRNG keys, which NumPy cannot even name) stay as they are."""
     accum = self.accum
-    if accum is not None and _is_float(dtype) and dtype.itemsize < accum.itemsize:
-      return accum
-    return dtype
+    if accum is None or not _is_float(dtype):
+      return dtype
+    dtype = np.dtype(dtype)
+    return accum if dtype.itemsize < accum.itemsize else dtype
+
+  def widen(self, tree: Any) -> Any:
+    """`tree`'s floating leaves in `accum_dtype` where that is wider."""
+    return jax.tree.map(lambda a: _cast(a, self.accum_dtype(_dtype(a))), tree)
 
 
 class _Args(NamedTuple):
@@ -538,7 +502,7 @@ def _gpipe(
   `accum_dtype` too, so that their gradients accumulate in it.
   """
   num_microbatches = layout.ticks.num_microbatches
-  widen = lambda leaves: [c.astype(layout.accum_dtype(c.dtype)) for c in leaves]
+  widen = layout.widen
   stage_consts, head_consts = widen(args.stage_consts), widen(args.head_consts)
 
   def run(params, x, key, state):
@@ -672,32 +636,35 @@ def _total_loss(
   return jax.lax.cond(last, losses, nothing, outputs, targets).astype(dtype)
 
 
-# --- 1F1B: forwards and backwards in one loop, the loss in the last stage --------
+# --- 1F1B and ZB-H1: forwards and backwards in one loop, the loss in the last stage
 
 
-def _one_f_one_b(
+def _gradient_loop(
   layout: _Layout,
   stage: _Traced,
   head: _Traced,
   param_dtypes: Any,
   args: _Args,
 ) -> tuple[jax.Array, Any]:
-  """A device's 1F1B: a custom VJP whose forward rule computes the gradients.
+  """A device's 1F1B or ZB-H1: a custom VJP whose forward rule computes the
+  gradients.
 
   Undifferentiated it is GPipe's forward loop and head. Differentiated, its
-  forward rule runs the 1F1B loop (`_one_f_one_b_loop`), which returns this
-  device's share of the gradients of the summed loss; the backward rule
-  scales them by the loss's cotangent, and `shard_map`'s transpose sums them
-  over the devices. Returns the summed loss and the device's state.
+  forward rule runs the schedule's loop (`_one_f_one_b_loop` or
+  `_zero_bubble_loop`), which returns this device's share of the gradients
+  of the summed loss; the backward rule scales them by the loss's cotangent,
+  and `shard_map`'s transpose sums them over the devices. Returns the summed
+  loss and the device's state.
   """
   like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), _dtype(a)), args)
+  loop = _zero_bubble_loop if layout.schedule.schedule == "zb-h1" else _one_f_one_b_loop
 
   @jax.custom_vjp
   def run(args):
     return _gpipe(layout, stage, head, param_dtypes, args)
 
   def run_fwd(args):
-    loss, state, grads = _one_f_one_b_loop(layout, stage, head, param_dtypes, args)
+    loss, state, grads = loop(layout, stage, head, param_dtypes, args)
     return (loss, state), grads
 
   def run_bwd(grads, cotangents):
@@ -727,7 +694,8 @@ def _one_f_one_b(
 
 
 class _Accumulators(NamedTuple):
-  """1F1B's sums over micro-batches, each floating leaf in `accum_dtype` or wider.
+  """The loops' sums over micro-batches, each floating leaf in `accum_dtype` or
+  wider.
 
   `x` and `targets` are the input cotangents, one slot per micro-batch.
   """
@@ -738,6 +706,154 @@ class _Accumulators(NamedTuple):
   head_consts: list[Any]
   x: list[Any]
   targets: list[Any]
+
+
+def _zero_accumulators(layout: _Layout, head: _Traced, args: _Args) -> _Accumulators:
+  widen = layout.widen
+  K = layout.ticks.num_microbatches
+  return _Accumulators(
+    loss=jnp.zeros((), layout.accum_dtype(head.out_dtype)),
+    params=_zeros(widen(_floats(args.params))),
+    stage_consts=_zeros(widen(_floats(args.stage_consts))),
+    head_consts=_zeros(widen(_floats(args.head_consts))),
+    x=_zeros(_floats(_split(args.x, K))),
+    targets=_zeros(_floats(_split(args.targets, K))),
+  )
+
+
+def _gradients(acc: _Accumulators) -> tuple[list[Any], ...]:
+  """The gradients of `_Args`' first five fields; only the first stage wrote
+  input cotangents, only the last target ones."""
+  return (
+    acc.params,
+    acc.stage_consts,
+    acc.head_consts,
+    [_unsplit(g) for g in acc.x],
+    [_unsplit(g) for g in acc.targets],
+  )
+
+
+def _add_grads(
+  sums: tuple[list[Any], list[Any]],
+  chunk: Any,
+  param_grads: list[Any],
+  const_grads: list[Any],
+  num_chunks: int,
+) -> tuple[list[Any], list[Any]]:
+  """`(param sums, constant sums)` with a micro-batch's gradients added."""
+  param_sums, const_sums = sums
+  return (
+    _add_chunk(param_sums, chunk, param_grads, num_chunks),
+    [a + g.astype(a.dtype) for a, g in zip(const_sums, const_grads, strict=True)],
+  )
+
+
+class _Residuals:
+  """A device's stage as the gradient loops run it: its forward, keeping what
+  its backward needs, and that backward.
+
+  Without remat what is kept are the residuals of `jax.vjp`, the leaves of
+  the function it returns. Those computed from the parameters and constants
+  alone (the weights, their transposes) are the same for every micro-batch
+  of a chunk: `shared` holds them, computed before the loop once per chunk;
+  the others (`per_microbatch`) are kept per micro-batch. With remat, what
+  is kept is the stage's input and state, from which the backward recomputes
+  the residuals.
+  """
+
+  def __init__(
+    self, layout: _Layout, stage: _Traced, param_dtypes: Any, args: _Args
+  ) -> None:
+    V = layout.ticks.num_chunks
+    self.layout, self.stage, self.param_dtypes = layout, stage, param_dtypes
+    self.consts = args.stage_consts
+    self.key = layout.wrap_key(args.key)
+    self.xs = _split(args.x, layout.ticks.num_microbatches)
+    self.first_input = _take(self.xs, jnp.int32(0))
+    self.treedef: Any = None
+    zero = jnp.int32(0)
+    self.example = example = (
+      _take_chunk(args.params, zero, V),
+      self.first_input,
+      layout.key(self.key, zero, zero),
+      _take_chunk(args.state, zero, V),
+    )
+    leaves = lambda *a: self.leaves(*a)[2]
+    self.per_microbatch = _depends_on_inputs(leaves, example, 1)
+    by_chunk = [leaves(_take_chunk(args.params, v, V), *example[1:]) for v in range(V)]
+    self.all_like = by_chunk[0]
+    self.shared = [
+      jnp.stack([chunk[i] for chunk in by_chunk])
+      for i, depends in enumerate(self.per_microbatch)
+      if not depends
+    ]
+    if layout.remat:
+      self.kept_like: Any = (self.first_input, example[3])
+    else:
+      self.kept_like = self.kept(by_chunk[0])
+
+  def vjp(self, params: Any, x: Any, key: Any, state: Any) -> Any:
+    f = lambda p, c, x: self.stage(c, p, x, key, state)
+    return jax.vjp(f, _cast(params, self.param_dtypes), self.consts, x, has_aux=True)
+
+  def leaves(self, params: Any, x: Any, key: Any, state: Any) -> Any:
+    """`(y, new state, residuals)`: the leaves of the function `jax.vjp` returns."""
+    y, fn, new_state = self.vjp(params, x, key, state)
+    leaves, self.treedef = jax.tree.flatten(fn)
+    return y, new_state, leaves
+
+  def kept(self, leaves: list[Any]) -> list[Any]:
+    """The residuals kept per micro-batch, of all of them."""
+    return [r for r, d in zip(leaves, self.per_microbatch, strict=True) if d]
+
+  def merged(self, kept: list[Any], shared: list[Any]) -> list[Any]:
+    """All the residuals, from those kept per micro-batch and the shared ones."""
+    kept_iter, shared_iter = iter(kept), iter(shared)
+    return [next(kept_iter if d else shared_iter) for d in self.per_microbatch]
+
+  def forward(self, params: Any, x: Any, key: Any, state: Any) -> Any:
+    """`(y, new state, what to keep)`: the kept residuals, or with remat the
+    stage's input and state."""
+    if self.layout.remat:
+      y, new_state = self.stage(
+        self.consts, _cast(params, self.param_dtypes), x, key, state
+      )
+      return y, new_state, (x, state)
+    y, new_state, leaves = self.leaves(params, x, key, state)
+    return y, new_state, self.kept(leaves)
+
+  def backward_fn(self, params: Any, kept: Any, shared: list[Any], key: Any) -> Any:
+    """The function `jax.vjp` returned, from what the forward kept."""
+    if self.layout.remat:
+      x, state = kept
+      return self.vjp(params, x, key, state)[1]
+    return jax.tree.unflatten(self.treedef, self.merged(kept, shared))
+
+
+def _head_branches(layout: _Layout, head: _Traced) -> tuple[Callable[..., Any], ...]:
+  """The loss and its gradient on one micro-batch, and the same in an idle tick.
+
+  Each returns `(loss, y's cotangent, head constants' and targets'
+  gradients)`, the constants' widened to their sums' dtype.
+  """
+  loss_dtype = layout.accum_dtype(head.out_dtype)
+  widen = layout.widen
+
+  def head_grads(head_consts, y, targets):
+    value, fn = jax.vjp(lambda c, y, t: head(c, y, t), head_consts, y, targets)
+    const_grads, y_grads, target_grads = fn(jnp.ones((), head.out_dtype))
+    grads = _floats(y_grads), widen(_floats(const_grads)), _floats(target_grads)
+    return value.astype(loss_dtype), *grads
+
+  def idle_head(head_consts, y, targets):
+    grads = (
+      _zeros(_floats(y)),
+      _zeros(widen(_floats(head_consts))),
+      _zeros(_floats(targets)),
+    )
+    return jnp.zeros((), loss_dtype), *grads
+
+  return head_grads, idle_head
 
 
 def _one_f_one_b_loop(
@@ -751,110 +867,73 @@ def _one_f_one_b_loop(
   last stage runs `loss_fn` and its gradient right after that stage's
   forward, and the backward in the same tick; any other stage runs a
   micro-batch's backward 2(L − 1 − l) ticks after its forward, from what the
-  forward kept in a ring of slots: the residuals of `jax.vjp`, or with
-  `remat` the stage's input and state, from which it recomputes them.
+  forward kept in a ring of slots (`_Residuals`).
   """
+  ticks = layout.ticks
+  residuals = _Residuals(layout, stage, param_dtypes, args)
+  sizes = ticks.ring_sizes()
+  ring = jax.tree.map(
+    lambda a: jnp.zeros((sum(sizes), *a.shape), a.dtype), residuals.kept_like
+  )
+  first_input = residuals.first_input
+  carry = (
+    first_input,
+    _zeros(_floats(first_input)),
+    ring,
+    args.state,
+    _zero_accumulators(layout, head, args),
+  )
+  tick = _one_f_one_b_tick(layout, residuals, head, args, sizes)
+  steps = jnp.arange(ticks.num_1f1b_ticks)
+  (*_, state, acc), _ = jax.lax.scan(tick, carry, steps)
+  return acc.loss.astype(head.out_dtype), state, _gradients(acc)
+
+
+def _one_f_one_b_backward(residuals: _Residuals) -> tuple[Callable[..., Any], ...]:
+  """A micro-batch's backward through a chunk, and the same in an idle tick.
+
+  Cotangents travel as lists of their floating leaves; integer leaves of the
+  activations (token ids passed along) have float0 cotangents. The gradients
+  are added to the sums inside the branch: an idle tick leaves them as they
+  are, and no gradient-sized result leaves the `cond`.
+  """
+  V = residuals.layout.ticks.num_chunks
+
+  def backward(params, kept, shared, key, cotangent, chunk, sums):
+    fn = residuals.backward_fn(params, kept, shared, key)
+    param_grads, const_grads, input_grads = fn(
+      _with_float0(cotangent, residuals.first_input)
+    )
+    grads = _floats(param_grads), _floats(const_grads)
+    return _add_grads(sums, chunk, *grads, V), _floats(input_grads)
+
+  def idle_backward(params, kept, shared, key, cotangent, chunk, sums):
+    return sums, [jnp.zeros_like(a) for a in cotangent]
+
+  return backward, idle_backward
+
+
+def _one_f_one_b_tick(
+  layout: _Layout,
+  residuals: _Residuals,
+  head: _Traced,
+  args: _Args,
+  sizes: tuple[int, ...],
+) -> Callable[..., Any]:
+  """The body of the 1F1B loop: one tick's forward, loss and backward."""
   ticks = layout.ticks
   S, V, K = ticks.num_stages, ticks.num_chunks, ticks.num_microbatches
   device = jax.lax.axis_index(layout.axis)
-  params, state = args.params, args.state
-  consts, head_consts = args.stage_consts, args.head_consts
-  key = layout.wrap_key(args.key)
-  xs, targets = _split(args.x, K), _split(args.targets, K)
-  first_input = _take(xs, jnp.int32(0))
-  widen = lambda leaves: [g.astype(layout.accum_dtype(g.dtype)) for g in leaves]
-
-  def vjp(params, x, key, state):
-    f = lambda p, c, x: stage(c, p, x, key, state)
-    return jax.vjp(f, _cast(params, param_dtypes), consts, x, has_aux=True)
-
-  # Without remat the ring keeps the residuals of `jax.vjp`: the function it
-  # returns is a pytree whose leaves are its residuals. Those computed from
-  # the parameters and constants alone (the weights, their transposes) are
-  # the same for every micro-batch of a chunk: they are computed before the
-  # loop, once per chunk, and kept once.
-  treedef: list[Any] = [None]
-
-  def residuals(params, x, key, state):
-    y, fn, new_state = vjp(params, x, key, state)
-    leaves, treedef[0] = jax.tree.flatten(fn)
-    return y, new_state, leaves
-
-  zero = jnp.int32(0)
-  example = (
-    _take_chunk(params, zero, V),
-    first_input,
-    layout.key(key, zero, zero),
-    _take_chunk(state, zero, V),
-  )
-  shared: list[Any] = []
-  per_microbatch: list[bool] = []
-  if layout.remat:
-    kept_like: Any = (first_input, example[3])
-  else:
-    per_microbatch = _depends_on_inputs(lambda *a: residuals(*a)[2], example, 1)
-    by_chunk = [residuals(_take_chunk(params, v, V), *example[1:])[2] for v in range(V)]
-    shared = [
-      jnp.stack([leaves[i] for leaves in by_chunk])
-      for i, depends in enumerate(per_microbatch)
-      if not depends
-    ]
-    kept_like = [r for r, d in zip(by_chunk[0], per_microbatch, strict=True) if d]
-
-  def forward(params, x, key, state):
-    if layout.remat:
-      y, new_state = stage(consts, _cast(params, param_dtypes), x, key, state)
-      return y, new_state, (x, state)
-    y, new_state, leaves = residuals(params, x, key, state)
-    return y, new_state, [r for r, d in zip(leaves, per_microbatch, strict=True) if d]
+  params, xs, key = args.params, residuals.xs, residuals.key
+  targets = _split(args.targets, K)
+  head_grads, idle_head = _head_branches(layout, head)
+  backward, idle_backward = _one_f_one_b_backward(residuals)
+  # With remat the backward recomputes every residual, these too.
+  shared = [] if layout.remat else residuals.shared
 
   def idle_forward(params, x, key, state):
-    return x, state, jax.tree.map(jnp.zeros_like, kept_like)
+    return x, state, jax.tree.map(jnp.zeros_like, residuals.kept_like)
 
-  # Cotangents travel as lists of their floating leaves; integer leaves of
-  # the activations (token ids passed along) have float0 cotangents. The
-  # gradients are added to the sums inside the branch: an idle tick leaves
-  # them as they are, and no gradient-sized result leaves the `cond`.
-  def backward(params, kept, shared_leaves, key, cotangent, chunk, sums):
-    if layout.remat:
-      x, state = kept
-      fn = vjp(params, x, key, state)[1]
-    else:
-      kept_leaves, shared_iter = iter(kept), iter(shared_leaves)
-      leaves = [next(kept_leaves if d else shared_iter) for d in per_microbatch]
-      fn = jax.tree.unflatten(treedef[0], leaves)
-    param_grads, const_grads, input_grads = fn(_with_float0(cotangent, first_input))
-    param_sums, const_sums = sums
-    sums = (
-      _add_chunk(param_sums, chunk, _floats(param_grads), V),
-      [
-        a + g.astype(a.dtype)
-        for a, g in zip(const_sums, _floats(const_grads), strict=True)
-      ],
-    )
-    return sums, _floats(input_grads)
-
-  def idle_backward(params, kept, shared_leaves, key, cotangent, chunk, sums):
-    return sums, [jnp.zeros_like(a) for a in cotangent]
-
-  loss_dtype = layout.accum_dtype(head.out_dtype)
-
-  def head_grads(head_consts, y, targets):
-    value, fn = jax.vjp(lambda c, y, t: head(c, y, t), head_consts, y, targets)
-    const_grads, y_grads, target_grads = fn(jnp.ones((), head.out_dtype))
-    grads = _floats(y_grads), widen(_floats(const_grads)), _floats(target_grads)
-    return value.astype(loss_dtype), *grads
-
-  def idle_head(head_consts, y, targets):
-    zeros = _zeros
-    grads = (
-      zeros(_floats(y)),
-      zeros(widen(_floats(head_consts))),
-      zeros(_floats(targets)),
-    )
-    return jnp.zeros((), loss_dtype), *grads
-
-  sizes = ticks.ring_sizes()
   offsets = jnp.array(np.cumsum((0, *sizes[:-1])), jnp.int32)
   modulus = jnp.array(sizes, jnp.int32)
   slot = lambda microbatch, chunk: offsets[chunk] + microbatch % modulus[chunk]
@@ -871,7 +950,7 @@ def _one_f_one_b_loop(
     old_state = _stop(_take_chunk(state, vf, V))
     y, new_state, kept = jax.lax.cond(
       forward_on,
-      forward,
+      residuals.forward,
       idle_forward,
       _take_chunk(params, vf, V),
       inputs,
@@ -884,9 +963,8 @@ def _one_f_one_b_loop(
     )
     # On the last stage, the loss and its gradient right after the forward.
     end = forward_on & (device == S - 1) & (vf == V - 1)
-    microbatch_targets = _take(targets, kf)
     value, y_grads, head_const_grads, target_grads = jax.lax.cond(
-      end, head_grads, idle_head, head_consts, y, microbatch_targets
+      end, head_grads, idle_head, args.head_consts, y, _take(targets, kf)
     )
     # Backward of micro-batch kb through chunk vb, from its ring slot (on
     # the last stage, the one this tick's forward just wrote).
@@ -894,13 +972,14 @@ def _one_f_one_b_loop(
     same_tick = (device == S - 1) & (vb == V - 1)
     kept_b = _take(ring, slot(kb, vb))
     kb = jnp.clip(kb, 0, K - 1)
+    shared_b = _take_chunk(shared, vb, V)
     sums, input_grads = jax.lax.cond(
       backward_on,
       backward,
       idle_backward,
       _take_chunk(params, vb, V),
       kept_b,
-      _take_chunk(shared, vb, V),
+      shared_b,
       layout.key(key, kb, vb),
       _select(same_tick, y_grads, cotangent_received),
       vb,
@@ -918,28 +997,320 @@ def _one_f_one_b_loop(
     sends = (_shift(y, layout, +1), _shift(input_grads, layout, -1))
     return (*sends, ring, state, acc), None
 
-  zeros = _zeros
-  ring = jax.tree.map(lambda a: jnp.zeros((sum(sizes), *a.shape), a.dtype), kept_like)
-  acc = _Accumulators(
-    loss=jnp.zeros((), loss_dtype),
-    params=zeros(widen(_floats(params))),
-    stage_consts=zeros(widen(_floats(consts))),
-    head_consts=zeros(widen(_floats(head_consts))),
-    x=zeros(_floats(xs)),
-    targets=zeros(_floats(targets)),
+  return tick
+
+
+class _WeightSplit:
+  """The stage's backward as B and W (`_pipeline_backward.split`), and where
+  what each reads waits.
+
+  B reads some residuals and the output's cotangent, and hands W the values
+  W reads of it (`carried`: the cotangents of the layers' outputs); W reads
+  those and residuals of its own. Per micro-batch, the residuals W reads wait
+  from F to W (ring `fw`), those only B reads from F to B (`fb`), and what B
+  hands W from B to W (`bw`). With remat, `fb` holds the stage's input and
+  state, from which B recomputes the residuals, and B hands W the residuals
+  it reads with `carried`. Residuals of the parameters alone are `shared`.
+  """
+
+  def __init__(self, residuals: _Residuals) -> None:
+    self.residuals, self.remat = residuals, residuals.layout.remat
+    first_input = residuals.first_input
+    like = lambda tree: jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(jnp.shape(a), _dtype(a)), tree
+    )
+    counts: list[int] = []
+
+    def program(leaves, cotangent):
+      fn = jax.tree.unflatten(residuals.treedef, leaves)
+      grads = [_floats(g) for g in fn(_with_float0(cotangent, first_input))]
+      counts[:] = [len(g) for g in grads]
+      return [g for group in grads for g in group]
+
+    closed = jax.make_jaxpr(program)(
+      like(residuals.all_like), like(_floats(first_input))
+    )
+    self.num_param_grads, num_const_grads, self.num_input_grads = counts
+    is_b = [False] * (self.num_param_grads + num_const_grads)
+    # The cotangent waits until B: W gets what it reads of it through B.
+    self.num_residuals = num = len(residuals.all_like)
+    self.split = _pipeline_backward.split(
+      closed,
+      is_b + [True] * self.num_input_grads,
+      through_b=range(num, len(closed.jaxpr.invars)),
+    )
+    per_microbatch = residuals.per_microbatch
+    w_reads = set(self.split.w_inputs)
+    self.w_kept = [i for i in self.split.w_inputs if per_microbatch[i]]
+    self.b_kept = [
+      i
+      for i in self.split.b_inputs
+      if i < num and per_microbatch[i] and i not in w_reads
+    ]
+    self.shared_at = [i for i, d in enumerate(per_microbatch) if not d]
+    carried_like = [
+      jax.ShapeDtypeStruct(a.shape, a.dtype)
+      for a in self.split.b.out_avals[self.num_input_grads :]
+    ]
+    kept = lambda at: [residuals.all_like[i] for i in at]
+    if self.remat:
+      self.like = (
+        (first_input, residuals.kept_like[1]),
+        [],
+        (kept(self.w_kept), carried_like),
+      )
+    else:
+      self.like = (kept(self.b_kept), kept(self.w_kept), carried_like)
+
+  def forward(self, params: Any, x: Any, key: Any, state: Any) -> Any:
+    """F: `(y, new state, what waits for B, what waits for W)`."""
+    if self.remat:
+      y, new_state, kept = self.residuals.forward(params, x, key, state)
+      return y, new_state, kept, []
+    y, new_state, leaves = self.residuals.leaves(params, x, key, state)
+    at = lambda indices: [leaves[i] for i in indices]
+    return y, new_state, at(self.b_kept), at(self.w_kept)
+
+  def input_backward(
+    self, params: Any, fb: Any, fw: Any, shared: Any, key: Any, cotangent: Any
+  ) -> tuple[list[Any], Any]:
+    """B: `(the input's cotangent, what waits for W)`."""
+    if self.remat:
+      x, state = fb
+      leaves = self.residuals.leaves(params, x, key, state)[2]
+      fw = [leaves[i] for i in self.w_kept]
+      by_index = dict(enumerate(leaves))
+    else:
+      by_index = self._by_index(fw, shared) | dict(zip(self.b_kept, fb, strict=True))
+    by_index |= dict(enumerate(cotangent, start=self.num_residuals))
+    reads = [by_index[i] for i in self.split.b_inputs]
+    out = jaxpr_as_fun(self.split.b)(*reads)
+    input_grads, carried = out[: self.num_input_grads], out[self.num_input_grads :]
+    return input_grads, ((fw, carried) if self.remat else carried)
+
+  def shared(self, params: Any) -> list[Any]:
+    """The residuals of the parameters alone: kept from before the loop, or
+    with remat recomputed (they take no arithmetic: weights, transposes)."""
+    if not self.remat:
+      return _take_chunk(self.residuals.shared, 0, 1)
+    leaves = self.residuals.leaves(params, *self.residuals.example[1:])[2]
+    return [leaves[i] for i in self.shared_at]
+
+  def weight_backward(
+    self, fw: Any, bw: Any, shared: Any
+  ) -> tuple[list[Any], list[Any]]:
+    """W: `(the parameters' gradients, the constants')`."""
+    kept, carried = bw if self.remat else (fw, bw)
+    by_index = self._by_index(kept, shared)
+    reads = [by_index[i] for i in self.split.w_inputs]
+    grads = jaxpr_as_fun(self.split.w)(*reads, *carried)
+    return grads[: self.num_param_grads], grads[self.num_param_grads :]
+
+  def _by_index(self, w_kept: list[Any], shared: list[Any]) -> dict[int, Any]:
+    by_index = dict(zip(self.w_kept, w_kept, strict=True))
+    return by_index | dict(zip(self.shared_at, shared, strict=True))
+
+
+class _Rings(NamedTuple):
+  """What waits on a device in the ZB-H1 loop, micro-batch k in slot k % size.
+
+  `x` and `cotangent` are inboxes: what the neighbours sent, until the F or
+  B that uses it; on the last stage the loss's cotangent waits in
+  `cotangent` from F to B. `fb`, `fw`, `bw`: as `_WeightSplit` says.
+  """
+
+  x: Any
+  cotangent: Any
+  fb: Any
+  fw: Any
+  bw: Any
+
+
+class _TickOut(NamedTuple):
+  """What a ZB-H1 tick's F, B, W or idle branch returns."""
+
+  y: Any  # sent to the next stage
+  input_grads: Any  # sent to the previous stage
+  state: Any
+  fb: Any
+  fw: Any
+  bw: Any
+  head: Any  # `_head_branches`' result
+  sums: Any
+
+
+def _zero_bubble_loop(
+  layout: _Layout, stage: _Traced, head: _Traced, param_dtypes: Any, args: _Args
+) -> tuple[jax.Array, Any, tuple[list[Any], ...]]:
+  """The ZB-H1 loop on one device; it returns what `_one_f_one_b_loop` does.
+
+  In each tick a device runs one of F, B and W, as the schedule's table says
+  (`zero_bubble_tables`): F keeps what B and W need, the last stage's F also
+  the loss and its cotangent; B computes the input's cotangent, sent on at
+  once, and hands W what it needs; W adds the weights' gradients to the
+  sums. What waits between them, and what arrives before the tick that uses
+  it, waits in rings (`_Rings`).
+  """
+  residuals = _Residuals(layout, stage, param_dtypes, args)
+  split = _WeightSplit(residuals)
+  tables = zero_bubble_tables(layout.schedule)
+  first_input = residuals.first_input
+
+  def ring(like, size):
+    return jax.tree.map(lambda a: jnp.zeros((size, *a.shape), a.dtype), like)
+
+  rings = _Rings(
+    *(
+      ring(like, tables.sizes[name])
+      for name, like in zip(
+        _Rings._fields, (first_input, _floats(first_input), *split.like), strict=True
+      )
+    )
   )
-  carry = (first_input, zeros(_floats(first_input)), ring, state, acc)
-  steps = jnp.arange(ticks.num_1f1b_ticks)
-  (*_, state, acc), _ = jax.lax.scan(tick, carry, steps)
-  # Only the first stage wrote input cotangents, only the last target ones.
-  grads = (
-    acc.params,
-    acc.stage_consts,
-    acc.head_consts,
-    [_unsplit(g) for g in acc.x],
-    [_unsplit(g) for g in acc.targets],
+  arrived = (first_input, _zeros(_floats(first_input)))
+  carry = (arrived, rings, args.state, _zero_accumulators(layout, head, args))
+  tick = _zero_bubble_tick(layout, split, head, args, tables)
+  steps = jnp.arange(len(tables.table))
+  (_, _, state, acc), _ = jax.lax.scan(tick, carry, steps)
+  return acc.loss.astype(head.out_dtype), state, _gradients(acc)
+
+
+def _zero_bubble_branches(
+  layout: _Layout, split: _WeightSplit, head: _Traced, args: _Args
+) -> Callable[..., _TickOut]:
+  """What a device runs in a tick: idle, F, B or W, by `work` (0, then the
+  indices of `KINDS` + 1).
+
+  It takes `(work, params, x, key, state, rings, k, head_consts, targets,
+  sums)`: the stage's parameters, micro-batch k's input (for F) and key, the
+  stage's state, the rings (read here, written by the loop), k's targets and
+  the gradients' sums; and returns a `_TickOut`.
+  """
+  head_grads, idle_head = _head_branches(layout, head)
+  last = jax.lax.axis_index(layout.axis) == layout.ticks.num_stages - 1
+  first_input = split.residuals.first_input
+  like = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(jnp.shape(a), _dtype(a)),
+    (first_input, _floats(first_input), *split.like),
   )
-  return acc.loss.astype(head.out_dtype), state, grads
+
+  # What a branch does not compute it returns as zeros: XLA would copy what
+  # passed through it unchanged.
+  def out(**computed):
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+    names = ("y", "input_grads", "fb", "fw", "bw")
+    fields = dict(zip(names, map(zeros, like), strict=True))
+    return _TickOut(**(fields | computed))
+
+  def slot(ring, k):
+    leaves = jax.tree.leaves(ring)
+    return _take(ring, k % leaves[0].shape[0]) if leaves else ring
+
+  def idle(params, x, key, state, rings, k, head_consts, targets, sums):
+    return out(state=state, head=idle_head(head_consts, x, targets), sums=sums)
+
+  def forward(params, x, key, state, rings, k, head_consts, targets, sums):
+    y, new_state, fb, fw = split.forward(params, x, key, state)
+    loss = jax.lax.cond(last, head_grads, idle_head, head_consts, y, targets)
+    return out(y=y, state=new_state, fb=fb, fw=fw, head=loss, sums=sums)
+
+  def input_backward(params, x, key, state, rings, k, head_consts, targets, sums):
+    fb, fw, ct = slot(rings.fb, k), slot(rings.fw, k), slot(rings.cotangent, k)
+    shared = [] if split.remat else split.shared(params)
+    input_grads, bw = split.input_backward(params, fb, fw, shared, key, ct)
+    head_out = idle_head(head_consts, x, targets)
+    return out(input_grads=input_grads, state=state, bw=bw, head=head_out, sums=sums)
+
+  def weight_backward(params, x, key, state, rings, k, head_consts, targets, sums):
+    fw, bw = slot(rings.fw, k), slot(rings.bw, k)
+    grads = split.weight_backward(fw, bw, split.shared(params))
+    head_out = idle_head(head_consts, x, targets)
+    return out(state=state, head=head_out, sums=_add_grads(sums, 0, *grads, 1))
+
+  # W adds to the sums in place in a two-way `cond` whose other branch passes
+  # them through: XLA keeps them in one buffer, where a four-way `switch`
+  # would copy them. XLA's cost analysis counts either as one branch.
+  def not_weight(work, *operands):
+    return jax.lax.switch(work, [idle, forward, input_backward], *operands)
+
+  def run(work, *operands):
+    is_w = work == len(KINDS)
+    return jax.lax.cond(
+      is_w, lambda w, *o: weight_backward(*o), not_weight, work, *operands
+    )
+
+  return run
+
+
+def _zero_bubble_tick(
+  layout: _Layout,
+  split: _WeightSplit,
+  head: _Traced,
+  args: _Args,
+  tables: Any,
+) -> Callable[..., Any]:
+  """The body of the ZB-H1 loop: store what arrived, run the tick's work,
+  keep what it computed, send."""
+  residuals = split.residuals
+  S, K = layout.ticks.num_stages, layout.ticks.num_microbatches
+  device = jax.lax.axis_index(layout.axis)
+  table = jnp.asarray(tables.table)
+  sizes = _Rings(*(tables.sizes[name] for name in _Rings._fields))
+  run = _zero_bubble_branches(layout, split, head, args)
+  targets = _split(args.targets, K)
+  num_kinds = len(KINDS) + 1
+
+  def arrival(t, source, kind):
+    """The micro-batch whose `kind`'s output `source` sent last tick, or -1."""
+    code = table[jnp.maximum(t - 1, 0), jnp.clip(source, 0, S - 1)]
+    sent = (t > 0) & (source >= 0) & (source < S) & (code % num_kinds == kind)
+    return jnp.where(sent, code // num_kinds, -1)
+
+  def tick(carry, t):
+    (x_arrived, ct_arrived), rings, state, acc = carry
+    code = table[t, device]
+    work, k = code % num_kinds, code // num_kinds
+    k_x, k_ct = arrival(t, device - 1, 1), arrival(t, device + 1, 2)
+    rings = rings._replace(
+      x=_put(rings.x, k_x % sizes.x, x_arrived, k_x >= 0),
+      cotangent=_put(rings.cotangent, k_ct % sizes.cotangent, ct_arrived, k_ct >= 0),
+    )
+    x = _select(device == 0, _take(residuals.xs, k), _take(rings.x, k % sizes.x))
+    old_state = _stop(_take_chunk(state, 0, 1))
+    out = run(
+      work,
+      _take_chunk(args.params, 0, 1),
+      x,
+      layout.key(residuals.key, k, 0),
+      old_state,
+      rings,
+      k,
+      args.head_consts,
+      _take(targets, k),
+      (acc.params, acc.stage_consts),
+    )
+    is_f, is_b = work == 1, work == 2
+    end = is_f & (device == S - 1)
+    value, y_grads, head_const_grads, target_grads = out.head
+    rings = rings._replace(
+      cotangent=_put(rings.cotangent, k % sizes.cotangent, y_grads, end),
+      fb=_put(rings.fb, k % sizes.fb, out.fb, is_f),
+      fw=_put(rings.fw, k % sizes.fw, out.fw, is_f),
+      bw=_put(rings.bw, k % sizes.bw, out.bw, is_b),
+    )
+    new_state = _select(is_f, _stop(out.state), old_state)
+    acc = _Accumulators(
+      loss=acc.loss + value,
+      params=out.sums[0],
+      stage_consts=out.sums[1],
+      head_consts=jax.tree.map(jnp.add, acc.head_consts, head_const_grads),
+      x=_put(acc.x, k, out.input_grads, is_b & (device == 0)),
+      targets=_put(acc.targets, k, target_grads, end),
+    )
+    sends = (_shift(out.y, layout, +1), _shift(out.input_grads, layout, -1))
+    return (sends, rings, _put_chunk(state, 0, new_state, 1), acc), None
+
+  return tick
 
 
 def _depends_on_inputs(
@@ -1038,8 +1409,9 @@ def _is_float(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _dtype(x: Any) -> np.dtype:
-  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.result_type(x))
+def _dtype(x: Any) -> Any:
+  """`x`'s dtype: a NumPy one, or a PRNG key's, which NumPy cannot name."""
+  return x.dtype if hasattr(x, "dtype") else np.dtype(jnp.result_type(x))
 
 
 def _floats(tree: Any) -> list[Any]:
@@ -1067,7 +1439,7 @@ def _zeros(leaves: Sequence[Any]) -> list[Any]:
 
 
 def _cast(tree: Any, dtypes: Any) -> Any:
-  return jax.tree.map(lambda a, d: a.astype(d), tree, dtypes)
+  return jax.tree.map(lambda a, d: a if a.dtype == d else a.astype(d), tree, dtypes)
 
 
 def _stop(tree: Any) -> Any:
@@ -1170,16 +1542,6 @@ def _unstack_chunks(tree: Any, ticks: _Ticks) -> Any:
 
 
 # --- checks, at trace time ----------------------------------------------------
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-  try:
-    number = operator.index(value)
-  except TypeError:
-    number = None
-  if number is None or isinstance(value, bool | np.bool_) or number < 1:
-    raise TypeError(f"{name} must be a positive int, got {value!r}.")
-  return number
 
 
 def _check_axes(

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaccum
 import jaccum.inspect
-from jaccum._pipeline import _Ticks
+from jaccum import _hlo_cost
+from jaccum._pipeline_schedule import _Ticks, zero_bubble_tables
 
 NUM_STAGES = 4
 WIDTH = 8
@@ -53,6 +54,8 @@ SCHEDULES = {
   "gpipe+remat×2": ({"remat": True}, True, 2),
   "1f1b×2": ({"schedule": "1f1b"}, True, 2),
   "1f1b+remat×2": ({"schedule": "1f1b", "remat": True}, True, 2),
+  "zb-h1": ({"schedule": "zb-h1"}, True, 1),
+  "zb-h1+remat": ({"schedule": "zb-h1", "remat": True}, True, 1),
 }
 
 
@@ -333,10 +336,253 @@ def test_1f1b_ring_with_interleaved_stages():
         assert _Ticks(num_stages, num_chunks, k).ring_sizes() == expected
 
 
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+def test_zero_bubble_schedule_runs_each_pass_once_after_what_it_needs(num_stages):
+  """ZB-H1: one of F, B and W per device and tick; each micro-batch's F, B and
+  W once on every stage, each after what it needs: F after the previous
+  stage's F, B after the next stage's B (on the last stage, after its F), W
+  after its B. A device holds at most S micro-batches between F and W, and
+  for K ≥ S the step takes 3K + S − 1 ticks, the bubble (S − 1)(F + B − W)
+  of Qi et al.'s ZB-H1, in rings of S slots."""
+  S = num_stages
+  for num_microbatches in sorted({1, S, S + 1, 3 * S + 1, 8 * S}):
+    schedule = jaccum.pipeline_schedule(S, num_microbatches, schedule="zb-h1")
+    when = {}
+    for t, tick in enumerate(schedule.ticks):
+      assert len(tick) == S
+      for s, works in enumerate(tick):
+        assert len(works) <= 1
+        for kind, k, chunk in works:
+          assert chunk == 0 and (kind, k, s) not in when
+          when[kind, k, s] = t
+    passes = range(num_microbatches)
+    assert set(when) == {(w, k, s) for w in "FBW" for k in passes for s in range(S)}
+    for k in passes:
+      for s in range(S):
+        assert s == 0 or when["F", k, s] > when["F", k, s - 1]
+        after = when["F", k, s] if s == S - 1 else when["B", k, s + 1]
+        assert when["B", k, s] > after
+        assert when["W", k, s] > when["B", k, s]
+    for s in range(S):
+      for t in range(schedule.num_ticks):
+        in_flight = [k for k in passes if when["F", k, s] <= t < when["W", k, s]]
+        assert len(in_flight) <= S
+    if num_microbatches >= S:
+      assert schedule.num_ticks == 3 * num_microbatches + S - 1
+      assert schedule.idle == pytest.approx((S - 1) / (3 * num_microbatches + S - 1))
+      # The loop's rings: S slots from F to B, F to W and B to W; what
+      # arrives is used before the next arrival.
+      sizes = zero_bubble_tables(schedule).sizes
+      assert sizes == {"x": 1, "cotangent": 1, "fb": S, "fw": S, "bw": S}
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_schedule_of_gpipe_and_1f1b_is_their_loops_arithmetic(num_chunks):
+  """`pipeline_schedule` for GPipe and 1F1B tabulates `_Ticks`, which their
+  loops trace: its F and B are `_Ticks.forward` and `.backward`, and its idle
+  share is the bubble (S − 1)/(V·K + S − 1) when S divides K."""
+  S, K = NUM_STAGES, 2 * NUM_STAGES
+  ticks = _Ticks(S, num_chunks, K)
+  for name in ("gpipe", "1f1b"):
+    schedule = jaccum.pipeline_schedule(
+      S, K, schedule=name, num_virtual_stages=num_chunks
+    )
+    assert schedule.idle == pytest.approx((S - 1) / (num_chunks * K + S - 1))
+  one_f_one_b = jaccum.pipeline_schedule(
+    S, K, schedule="1f1b", num_virtual_stages=num_chunks
+  )
+  assert one_f_one_b.num_ticks == ticks.num_1f1b_ticks
+  for t, tick in enumerate(one_f_one_b.ticks):
+    for s, works in enumerate(tick):
+      expected = []
+      k, v, active = ticks.forward(t, s)
+      expected += [("F", k, v)] if active else []
+      k, v, active = ticks.backward(t, s)
+      expected += [("B", k, v), ("W", k, v)] if active else []
+      assert list(works) == expected
+
+
+def test_zero_bubble_idle_at_four_stages_and_eight_microbatches():
+  """The issue's target: at S = 4, K = 8, ZB-H1 idles 3/27 = 11.1% of the
+  device-ticks (≤ 12%), 1F1B 3/11 = 27.3%, 1F1B with two virtual stages
+  3/19 = 15.8%."""
+  idle = lambda name, v=1: (
+    jaccum.pipeline_schedule(4, 8, schedule=name, num_virtual_stages=v).idle
+  )
+  assert idle("zb-h1") == pytest.approx(3 / 27)
+  assert idle("zb-h1") <= 0.12
+  assert idle("1f1b") == pytest.approx(3 / 11)
+  assert idle("1f1b", 2) == pytest.approx(3 / 19)
+
+
+@pytest.mark.parametrize(
+  ("args", "options", "error", "message"),
+  [
+    ((0, 4), {}, TypeError, r"num_stages must be a positive int, got 0"),
+    ((4, 0), {}, ValueError, r"num_microbatches must be a positive int, got 0"),
+    ((4, 4), {"schedule": "zb"}, ValueError, r"schedule must be one of"),
+    (
+      (4, 4),
+      {"schedule": "zb-h1", "num_virtual_stages": 2},
+      ValueError,
+      r"runs one stage per device, but num_virtual_stages=2",
+    ),
+    ((4, 4), {"num_virtual_stages": True}, TypeError, r"num_virtual_stages must"),
+  ],
+)
+def test_error_pipeline_schedule(args, options, error, message):
+  with pytest.raises(error, match=message):
+    jaccum.pipeline_schedule(*args, **options)
+
+
+# --- zero bubble: B and W apart ----------------------------------------------------
+
+
+def zero_bubble_problem(num_stages, num_microbatches):
+  """`(mesh, params, x, t)` on (8/S data × S stages), float64, 2 rows per
+  micro-batch."""
+  mesh = jax.make_mesh(
+    (8 // num_stages, num_stages), ("data", "stage"), axis_types=(AxisType.Auto,) * 2
+  )
+  params = init_params(jax.random.key(10), jnp.float64, num_stages)
+  rows = 2 * num_microbatches * (8 // num_stages)
+  x = jax.random.normal(jax.random.key(11), (rows, WIDTH), jnp.float64)
+  t = jax.random.uniform(jax.random.key(12), (rows,), jnp.float64)
+  return mesh, params, x, t
+
+
+# (S, K, remat, also against 1F1B): S = 2, 4, 8 with K from S to 8S.
+ZERO_BUBBLE_CASES = [
+  (2, 16, True, False),
+  (4, 13, False, False),
+  (4, 8, True, True),
+  (8, 8, False, True),
+  (8, 64, True, False),
+]
+
+
+@pytest.mark.parametrize(
+  ("num_stages", "num_microbatches", "remat", "against_1f1b"), ZERO_BUBBLE_CASES
+)
+def test_zero_bubble_matches_sequential_loop_and_1f1b(
+  num_stages, num_microbatches, remat, against_1f1b
+):
+  """ZB-H1's loss and gradients (stage parameters, input, targets) are the
+  sequential loop's in float64 (relative error ≤ 1e-12), on 8/S data shards ×
+  S stages, with and without remat; and 1F1B's."""
+  with jax.enable_x64(True):
+    mesh, params, x, t = zero_bubble_problem(num_stages, num_microbatches)
+
+    def pipelined(schedule):
+      pipe = jaccum.pipeline(
+        stage_fn,
+        num_microbatches,
+        mesh=mesh,
+        data_axes="data",
+        schedule=schedule,
+        remat=remat,
+        loss_fn=loss_fn,
+      )
+      return lambda params, x, t: pipe(params, x, t) / x.shape[0]
+
+    def reference(params, x, t):
+      shards = 8 // num_stages
+      run = functools.partial(
+        sequential,
+        stage_fn,
+        params,
+        x,
+        shards=shards,
+        num_microbatches=num_microbatches,
+      )
+      return run(loss=loss_fn, targets=t) / x.shape[0]
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+    actual = grad(pipelined("zb-h1"))(params, x, t)
+    assert_trees_close(actual, grad(reference)(params, x, t), 1e-12)
+    if against_1f1b:
+      assert_trees_close(actual, grad(pipelined("1f1b"))(params, x, t), 1e-12)
+
+
+def test_zero_bubble_splits_a_scan_over_jitted_blocks():
+  """A stage that scans over its blocks, each a `jax.jit` function, splits
+  too: B's loop runs the blocks' matmuls to the input, W's loop those to the
+  weights (512·R FLOPs per block each, as the compiled loop shows), and the
+  result is the sequential loop's."""
+  mesh = make_mesh("stage")
+  num_blocks = 2
+  keys = jax.random.split(jax.random.key(14), 2)
+  params = {
+    "w_in": jax.random.normal(keys[0], (NUM_STAGES, num_blocks, WIDTH, 2 * WIDTH)),
+    "w_out": jax.random.normal(keys[1], (NUM_STAGES, num_blocks, 2 * WIDTH, WIDTH)),
+  }
+  params = jax.tree.map(lambda a: a / 4, params)
+  x = jax.random.normal(jax.random.key(15), (ROWS_PER_SHARD, WIDTH))
+  t = jax.random.uniform(jax.random.key(16), (ROWS_PER_SHARD,))
+
+  @jax.jit
+  def block(h, p):
+    return h + jnp.tanh(h @ p["w_in"]) @ p["w_out"], None
+
+  def scan_stage(params, h):
+    return jax.lax.scan(block, h, params)[0]
+
+  pipe = jaccum.pipeline(
+    scan_stage, NUM_STAGES, mesh=mesh, schedule="zb-h1", loss_fn=loss_fn
+  )
+  reference = functools.partial(
+    sequential, scan_stage, shards=1, num_microbatches=NUM_STAGES, loss=loss_fn
+  )
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+  compiled = grad(pipe).lower(params, x, t).compile()
+  expected = grad(lambda p, x, t: reference(p, x, targets=t))(params, x, t)
+  assert_trees_close(compiled(params, x, t), expected, 1e-5, atol=1e-6)
+  text = compiled.as_text()
+  (loop,) = [loop for loop in _hlo_cost.loops(text) if loop.trip_count == 15]
+  (_, weights), (_, _, backward), *_ = loop.branches
+  rows = ROWS_PER_SHARD // NUM_STAGES
+  assert backward == weights == num_blocks * 512 * rows
+
+
+def test_compiled_loop_runs_the_schedule():
+  """The compiled step runs the schedule's ticks: a loop of `num_ticks`
+  iterations. In each, ZB-H1 runs one of its branches: F (the stage's forward
+  matmuls and the loss), B (the matmuls of the input's cotangent) or W (the
+  weights'), 512·R FLOPs each for R rows (two [R, 8] × [8, 16] matmuls or
+  their transposes), none twice: B and W together are what 1F1B's backward
+  branch runs. Counted by tick at its costliest branch, ZB-H1 spends at most
+  what 1F1B does."""
+  mesh = make_mesh("stage")
+  params, x, t = make_problem(mesh, jnp.float32)
+  rows = x.shape[0] // NUM_STAGES  # K = 4
+  compiled = {}
+  for schedule in ("zb-h1", "1f1b"):
+    pipe = jaccum.pipeline(
+      stage_fn, NUM_STAGES, mesh=mesh, schedule=schedule, loss_fn=loss_fn
+    )
+    step = jax.jit(jax.grad(lambda p, x, t, pipe=pipe: pipe(p, x, t)))
+    compiled[schedule] = step.lower(params, x, t).compile().as_text()
+    (loop,) = _hlo_cost.loops(compiled[schedule])
+    plan = jaccum.pipeline_schedule(NUM_STAGES, NUM_STAGES, schedule=schedule)
+    assert loop.trip_count == plan.num_ticks
+    if schedule == "zb-h1":
+      # W, or else (idle, F or B); the loss's `cond` inside F.
+      (others, weights), (idle, forward, backward), _ = loop.branches
+      assert (idle, backward, weights) == (0, 512 * rows, 512 * rows)
+      assert forward >= 512 * rows and others == max(forward, backward)
+      split_backward = backward + weights
+    else:
+      # The forward's `cond`, the loss's, the backward's.
+      *_, (idle, whole_backward) = loop.branches
+  assert whole_backward == split_backward
+  flops = {name: _hlo_cost.matmul_flops(text) for name, text in compiled.items()}
+  assert flops["zb-h1"] <= flops["1f1b"]
+
+
 # --- dtypes ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b", "1f1b×2"])
+@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b", "1f1b×2", "zb-h1"])
 @pytest.mark.parametrize("accum_dtype", [jnp.float32, None], ids=["float32", "none"])
 def test_bfloat16_gradients_accumulate_in_float32(schedule, accum_dtype):
   """K = 1024 micro-batches of one row each add exactly 1.0 to a bias gradient:
@@ -420,7 +666,7 @@ def test_bfloat16_random_signs_against_float32_sum(schedule):
   assert max(errors) > 4
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b+remat"])
+@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b+remat", "zb-h1"])
 def test_pytree_activations_keep_their_dtypes(schedule):
   """x may be a pytree with int and bool leaves: each flows through and comes
   back in its own dtype (a bool mask stays bool, `~mask` stays a mask)."""
@@ -471,7 +717,7 @@ def test_pytree_activations_keep_their_dtypes(schedule):
 
 
 @pytest.mark.parametrize(
-  "schedule", ["gpipe+loss", "gpipe+remat×2", "1f1b", "1f1b+remat×2"]
+  "schedule", ["gpipe+loss", "gpipe+remat×2", "1f1b", "1f1b+remat×2", "zb-h1+remat"]
 )
 def test_closed_over_values_get_gradients(schedule):
   """A scale shared by all stages, a table the stages and the head both use,
@@ -520,6 +766,44 @@ def test_closed_over_values_get_gradients(schedule):
     actual = grad(pipelined)(shared, params, x, t)
     expected = grad(reference)(shared, params, x, t)
     assert_trees_close(actual, expected, 1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_functions_closing_over_a_typed_key(schedule):
+  """A `jax.random.key` that `stage_fn` and `loss_fn` close over (one dropout
+  mask for all) stays a key: only floating values are widened to
+  `accum_dtype` (issue 28, item 8: this failed with "Cannot interpret
+  'key<fry>' as a data type", in GPipe's forward loop and in the gradient loop
+  that 1F1B and ZB-H1 share)."""
+  options, inside, _ = SCHEDULES[schedule]
+  mesh = make_mesh("stage")
+  params, x, t = make_problem(mesh, jnp.float32)
+
+  def functions(key):
+    keep = lambda h: jax.random.bernoulli(key, 0.75, h.shape)
+    stage = lambda p, h: stage_fn(p, h) * keep(h)
+    # Linear in the rows' losses: the same summed over micro-batches or not.
+    head = lambda y, t: loss_fn(y, t) * jax.random.uniform(key, (), y.dtype, 1, 2)
+    return stage, head
+
+  def pipelined(params, x, t, key):
+    stage, head = functions(key)
+    pipe = jaccum.pipeline(
+      stage, NUM_STAGES, mesh=mesh, loss_fn=head if inside else None, **options
+    )
+    return pipe(params, x, t) if inside else head(pipe(params, x), t)
+
+  def reference(params, x, t, key):
+    stage, head = functions(key)
+    run = functools.partial(
+      sequential, stage, params, x, shards=1, num_microbatches=NUM_STAGES
+    )
+    return run(loss=head, targets=t)
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+  key = jax.random.key(13)
+  actual = grad(pipelined)(params, x, t, key)
+  assert_trees_close(actual, grad(reference)(params, x, t, key), 1e-5, atol=1e-6)
 
 
 # --- keys and state ------------------------------------------------------------------
@@ -663,7 +947,9 @@ def test_nnx_blocks_with_batchnorm_and_dropout(schedule):
 # --- tracing, communication, placement -----------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe+remat", "1f1b", "1f1b+remat×2"])
+@pytest.mark.parametrize(
+  "schedule", ["gpipe+remat", "1f1b", "1f1b+remat×2", "zb-h1+remat"]
+)
 def test_user_functions_traced_once_per_compilation(schedule):
   traces = []
 
@@ -699,7 +985,7 @@ def collectives(mesh, num_microbatches, schedule):
   return jaccum.inspect.collectives(jax.jit(pipelined), params, x, t)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_collectives(schedule):
   """On (data × stage): only ppermutes in the loops, a fixed number of
   reductions after them whatever K."""
@@ -712,7 +998,7 @@ def test_collectives(schedule):
   assert counts.all_to_all[:2] == (0, 0)
   # Inside the loops, activations (forward) and their cotangents (backward)
   # pass between neighbouring stages, and nothing else: GPipe's forward loop
-  # and backward loop have one each, 1F1B's one loop both.
+  # and backward loop have one each, 1F1B's and ZB-H1's one loop both.
   assert counts.all_reduce.inside_loops == 0
   assert counts.collective_permute[:2] == (2, 0)
   # After the loops: the output's or loss's sum over the stages, the input
@@ -908,9 +1194,15 @@ def test_error_rng_not_a_key():
     (
       {"schedule": "interleaved"},
       ValueError,
-      r"schedule must be one of \('gpipe', '1f1b'\)",
+      r"schedule must be one of \('gpipe', '1f1b', 'zb-h1'\), got 'interleaved'",
     ),
     ({"schedule": "1f1b"}, ValueError, r'schedule="1f1b" needs loss_fn='),
+    ({"schedule": "zb-h1"}, ValueError, r'schedule="zb-h1" needs loss_fn='),
+    (
+      {"schedule": "zb-h1", "loss_fn": loss_fn, "num_virtual_stages": 2},
+      ValueError,
+      r'schedule="zb-h1" runs one stage per device, but num_virtual_stages=2',
+    ),
     (
       {"num_virtual_stages": 0},
       TypeError,
