@@ -737,11 +737,13 @@ def compare_stats(actual, expected, tolerance, check):
       )
 
 
-def compare(setup, got, ref, tolerance, check):
+def compare(setup, got, ref, tolerance, check, reduce_state):
   """Every part of the accumulated step's output against the reference."""
   case = setup.case
   if case.get("reduce_fn"):
-    got, _ = got
+    # Nothing to compress: the state comes back as it went in (one row per device).
+    got, new_reduce_state = got
+    check(assert_trees_close, new_reduce_state, reduce_state, rtol=EXACT)
   if case["stats"]:
     got, stats = got
     compare_stats(stats, ref.stats, tolerance.stats, check)
@@ -805,7 +807,7 @@ def test_every_pair_of_options_is_exact(route_name, index, case):
       extras += [key] if case["rng"] else []
       got = step(params, batch, extras, count, reduce_state)
       ref = reference(setup, setup.params, host_batch, ref_state, key)
-      compare(setup, got, ref, tolerance, check)
+      compare(setup, got, ref, tolerance, check, reduce_state)
       if case.get("reduce_fn"):
         got, reduce_state = got  # the next call starts from it
       if case["stats"]:
