@@ -927,6 +927,15 @@ def refuse_a_count_and_contiguous_on_a_sharded_batch():
   jax.jit(step)(params, batch, num_real_microbatches=jnp.int32(SOME))
 
 
+def refuse_last_and_contiguous_on_a_sharded_batch():
+  _, params, batch = refusal_setup(AxisType.Explicit)
+  reduce = (("mean", {**dict.fromkeys(AUX_MODES, "mean"), "last": "last"}), "mean")
+  step = jaccum.accumulate(
+    make_grad_fn(False, False), K, split="contiguous", reduce=reduce
+  )
+  jax.jit(step)(params, batch)
+
+
 def refuse_stats_of_summed_gradients():
   step = jaccum.accumulate(
     make_grad_fn(False, False), K, return_stats=True, reduce=(("mean", "mean"), "sum")
@@ -966,6 +975,11 @@ REFUSALS = {
   'a count × `split="contiguous"` on a batch sharded by `accumulate`': (
     [refuse_a_count_and_contiguous_on_a_sharded_batch],
     r'num_real_microbatches with split="contiguous" and a batch sharded',
+  ),
+  '`reduce="last"` × `split="contiguous"` on a batch sharded by `accumulate`': (
+    [refuse_last_and_contiguous_on_a_sharded_batch],
+    r'reduce="last" at output\[0\]\[1\]\[\'last\'\] with split="contiguous" and a '
+    r"batch sharded",
   ),
   "`return_stats` × gradients not averaged": (
     [refuse_stats_of_summed_gradients],
