@@ -1015,7 +1015,7 @@ REFUSAL_CASES = [
 @pytest.mark.parametrize(
   ("pair", "attempt"),
   REFUSAL_CASES,
-  ids=[f"{pair}-{i}" for i, (pair, _) in enumerate(REFUSAL_CASES)],
+  ids=[f"{pair.replace('×', 'x')}-{i}" for i, (pair, _) in enumerate(REFUSAL_CASES)],
 )
 def test_a_refused_pair_is_refused_by_name(pair, attempt):
   with pytest.raises((ValueError, TypeError), match=REFUSALS[pair][1]):
