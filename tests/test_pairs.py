@@ -617,9 +617,8 @@ def reference(setup, params, batch, state, key):
     finals.append(device_state)
   ran = [aux for _, aux in outs]
   if not outs:  # nothing ran: one term of weight 0, shaped like a micro-step's
-    zeros = lambda n: np.zeros(n if n is not None else ())
-    aux = {name: zeros(None) for name in AUX_MODES}
-    aux.update(last=zeros(rows_per_micro), concat=zeros(rows_per_micro))
+    aux = {name: np.float64(0) for name in AUX_MODES}
+    aux.update(last=np.zeros(rows_per_micro), concat=np.zeros(rows_per_micro))
     outs, weights = [(np.float64(0), aux)], [0.0]
     micro_grads = [jax.tree.map(lambda x: np.zeros(x.shape), params64)]
   (value, aux), (value_magnitude, aux_magnitude) = weighted_mean(outs, weights)
