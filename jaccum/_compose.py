@@ -18,6 +18,8 @@ a count per device × FSDP's sharded modes  exact: idle devices join each
                                            reduce-scatter with zeros
 a count × `split="contiguous"` on a        refused: the first micro-batches
 batch sharded by `accumulate`              live on the first devices
+`reduce="last"` × `split="contiguous"` on  refused: the last micro-batch
+a batch sharded by `accumulate`            lives on the last devices
 `return_stats` × gradients not averaged    refused: the noise scale measures
                                            means
 =========================================  =====================================

@@ -334,8 +334,11 @@ def _per_device(
   dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
   count_varies = num_real is not None and np.ndim(num_real) == 1
   if num_real is not None:
-    in_specs.append(P(route.axes) if count_varies else P())
-    placed.append(num_real)
+    # Laid out as the loop reads it: on an explicit mesh a count per device
+    # must arrive split over the axes, as its in_spec says.
+    count_spec = P(route.axes) if count_varies else P()
+    in_specs.append(count_spec)
+    placed.append(_placement.place(num_real, route.mesh, count_spec, route.explicit))
   found: list[_loop.Local] = []
 
   def per_device(*arrays):

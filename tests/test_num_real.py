@@ -240,3 +240,25 @@ def test_optax_micro_vmap_and_micro_grad_early_stopping():
     jax.grad(lambda c, x: c * x.sum()), 4, reduce="sum", split="contiguous"
   )
   assert float(grad_fn(1.0, x, num_real_microbatches=3)) == 12.0
+
+
+def test_one_count_per_device_on_an_explicit_mesh_as_the_caller_makes_it():
+  """A `[devices]` count made with jnp.asarray, not laid out over the mesh:
+  jaccum's per-device loop refused it on an explicit mesh with JAX's
+  "in_specs passed to shard_map ... does not match" about its own shard_map."""
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])  # explicit
+  x, y = data(7, batch=4 * K * ROWS)
+  counts = np.array([2, 0, 8, 5], np.int32)
+  step = jax.jit(
+    jaccum.data_parallel(jax.grad(loss), K, mesh=mesh, batch_argnums=(1, 2))
+  )
+  batch = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
+  got = step(W, *batch, num_real_microbatches=jnp.asarray(counts))
+  per_device = len(x) // 4
+  rows = np.concatenate(
+    [
+      first(n, np.arange(d * per_device, (d + 1) * per_device))
+      for d, n in enumerate(counts)
+    ]
+  )
+  assert_trees_close(got, jax.grad(loss)(W, x[rows], y[rows]), rtol=1e-5)
