@@ -67,7 +67,9 @@ def accumulate(
   is the unsharded one: micro-batch k is still rows k, k+K, … of the whole
   batch, each device holding its share, so N must be a multiple of devices ×
   K. Keys differ per device too. With `state_argnum`, statistics are then
-  per device (a warning says so). With *auto* axes, or a batch whose sharding
+  per device (a warning says so); with `return_stats`, the small batch is
+  each device's share of a micro-batch (devices × K of them), as under
+  `data_parallel`. With *auto* axes, or a batch whose sharding
   comes only from `jit(in_shardings=...)`, nothing in the trace says how the
   batch is laid out: the loop runs as on one device and XLA may put an
   all-reduce in every micro-step; use `data_parallel` there.

@@ -295,9 +295,10 @@ def _checked_reduce_output(out: Any, grads: Any, state: Any) -> tuple[Any, Any]:
   size 2 would unpack as its two rows.
   """
   if not isinstance(out, tuple) or len(out) != 2:
+    shape = getattr(out, "shape", None)
     got = f"{type(out).__name__} {jax.tree.structure(out)}"
-    if hasattr(out, "shape"):
-      got = f"an array of shape {out.shape}"
+    if shape is not None:
+      got = f"an array of shape {tuple(shape)}"
     raise TypeError(f"{_REDUCE_FN_RETURNS}; got {got}.")
   reduced, new_state = out
   for name, new, old in (

@@ -555,6 +555,9 @@ def run(
     weights,
     final,
   )
+  if num_real is not None:
+    ran = num_real if config.axes is None else jax.lax.psum(num_real, config.axes)
+    result = _reduce.none_ran(local.leaves, result, ran)
   out = result if at.state is None else (result, state)
   if config.return_stats:
     grad_sq_norm = _stats.sq_norm(result, local.grad_mask)

@@ -571,6 +571,8 @@ def run(
     result,
     is_leaf=_reduce.is_plan,
   )
+  if num_real is not None:  # one count, or one per device
+    result = _reduce.none_ran(local.leaves, result, jnp.sum(num_real))
   out = result if at.state is None else (result, state)
   out = out if estimates is None else (out, estimates)
   return out if config.reduce_fn is None else (out, reduce_state)

@@ -335,6 +335,22 @@ def weighted_mean(acc: jax.Array, scaled_by: jax.Array, total: jax.Array) -> jax
   return jnp.where(total != 0, acc.astype(compute) * scale, 0)
 
 
+def none_ran(leaves: Any, result: Any, ran: jax.Array) -> Any:
+  """`"max"` and `"min"` leaves as zeros where no micro-batch ran anywhere.
+
+  Their carries start at the identity (∓inf, or an integer's extreme), which
+  a count of 0 leaves in place; every other mode gives zeros by itself.
+  """
+  return jax.tree.map(
+    lambda leaf, x: (
+      jnp.where(ran > 0, x, jnp.zeros_like(x)) if leaf.mode in ("max", "min") else x
+    ),
+    leaves,
+    result,
+    is_leaf=is_plan,
+  )
+
+
 def finalize(
   leaves: Any,
   carry: Any,

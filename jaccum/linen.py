@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaccum import _reduce
 from jaccum._accumulate import accumulate
-from jaccum._parallel import data_parallel
+from jaccum._parallel import FsdpMode, data_parallel
 
 __all__ = ["value_and_grad"]
 
@@ -95,7 +95,7 @@ def value_and_grad(
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   axis: str | tuple[str, ...] = "data",
   param_specs: Any = None,
-  fsdp_mode: str = "gather_once",
+  fsdp_mode: FsdpMode = "gather_once",
   **accumulate_kwargs: Any,
 ) -> Callable[..., Any]:
   """Accumulated `jax.value_and_grad` for Linen: `f(params, batch_stats, batch[, rng])`.

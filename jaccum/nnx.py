@@ -17,7 +17,7 @@ except ModuleNotFoundError as e:  # Flax is an optional dependency of jaccum.
 
 from jaccum import _reduce
 from jaccum._accumulate import accumulate
-from jaccum._parallel import data_parallel
+from jaccum._parallel import FsdpMode, data_parallel
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -364,7 +364,7 @@ def value_and_grad(
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   axis: str | tuple[str, ...] = "data",
   param_specs: Any = None,
-  fsdp_mode: str = "gather_once",
+  fsdp_mode: FsdpMode = "gather_once",
   **accumulate_kwargs: Any,
 ) -> Callable[..., Any]:
   """Accumulated `nnx.value_and_grad`: `f(model, *batch)` over K micro-batches.
@@ -472,7 +472,7 @@ def grad(
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   axis: str | tuple[str, ...] = "data",
   param_specs: Any = None,
-  fsdp_mode: str = "gather_once",
+  fsdp_mode: FsdpMode = "gather_once",
   **accumulate_kwargs: Any,
 ) -> Callable[..., Any]:
   """Accumulated `nnx.grad`: like `value_and_grad`, returning `grads` only.
