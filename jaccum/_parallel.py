@@ -370,8 +370,10 @@ def _per_device(
   # The user's function runs under shard_map, on each device's rows, as it
   # would on one device. Without type checks (check_vma=False, as under
   # pmap), an array it closes over and differentiates gets its per-device
-  # gradient, with no psum inserted into the micro-step.
-  loop = jax.shard_map(
+  # gradient, with no psum inserted into the micro-step. Under jit even when
+  # called eagerly: an eager shard_map refuses outputs sharded over an
+  # explicit axis it does not run manually (a tensor-parallel "model").
+  loop = _jitted_shard_map(
     per_device,
     mesh=route.mesh,
     in_specs=tuple(in_specs),
@@ -380,6 +382,10 @@ def _per_device(
     check_vma=False,
   )
   return loop(*placed), found[0]
+
+
+def _jitted_shard_map(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+  return jax.jit(jax.shard_map(fn, **kwargs))
 
 
 class Layout(NamedTuple):
@@ -502,7 +508,7 @@ def _reduce_on_mesh(
     jax.tree.structure(local.leaves, is_leaf=_reduce.is_plan), layout.out_specs
   )
   axes = P(route.axes)
-  reduced = jax.shard_map(
+  reduced = _jitted_shard_map(
     reduce_body,
     mesh=route.mesh,
     in_specs=(axes, axes, axes, axes, axes),

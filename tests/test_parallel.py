@@ -300,7 +300,7 @@ def test_errors_name_the_problem(problem):
   with pytest.raises(TypeError, match=r"takes `axis`, not `axis_name`"):
     jaccum.data_parallel(GRAD_FN, 2, axis_name="data")
   with pytest.raises(
-    ValueError, match=r"names \['x'\], which are not the data axes \('data',\)"
+    ValueError, match=r"names \['x'\], which are not axes of the mesh"
   ):
     jaccum.data_parallel(
       GRAD_FN,
