@@ -293,15 +293,12 @@ def _on_mesh(
   it), the passes run as the whole batch's step runs, with a warning.
   """
   route = _parallel._route(config, at, args, mesh, axes, None, "gather_once")
-  call = (tuple(args), dict(kwargs), config.bound_args, config.bound_kwargs)
-  is_batch = (
-    tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
-    *(jax.tree.map(lambda _: False, part) for part in call[1:]),
-  )
   # Params sharded over the data axes (on an explicit mesh) are gathered.
-  placed, in_specs = _placement.placed_inputs(
-    call,
-    is_batch,
+  call, placed, in_specs = _placement.placed_call(
+    config,
+    at,
+    args,
+    kwargs,
     None,
     mesh=mesh,
     axes=axes,

@@ -313,17 +313,11 @@ def _per_device(
   Returns each device's carry stacked over the devices (nothing moves) and
   one device's `Local` (the plan, the same on every device).
   """
-  # Every array the micro-step can reach as an input crosses into the
-  # per-device loop: the call's arguments and keywords, and the arrays bound
-  # in a functools.partial. Other leaves (static arguments) stay as they are.
-  call = (tuple(args), dict(kwargs), config.bound_args, config.bound_kwargs)
-  is_batch = (
-    tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
-    *(jax.tree.map(lambda _: False, part) for part in call[1:]),
-  )
-  placed, in_specs = _placement.placed_inputs(
-    call,
-    is_batch,
+  call, placed, in_specs = _placement.placed_call(
+    config,
+    at,
+    args,
+    kwargs,
     route.specs,
     mesh=route.mesh,
     axes=route.axes,

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaccum import _fsdp
-from jaccum._config import Positions
+from jaccum._config import Config, Positions
 from jaccum._jaxpr import spec_axes, without_axes
 from jaccum._step import ARRAY_TYPES
 
@@ -211,3 +211,42 @@ def placed_inputs(
     placed.append(x)
     in_specs.append(P(axes) if batch else P())
   return placed, in_specs
+
+
+def placed_call(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  specs: list[P | None] | None,
+  *,
+  mesh: Any,
+  axes: tuple[str, ...],
+  explicit: bool,
+  keep_sharded: bool,
+) -> tuple[Any, list[Any], list[P]]:
+  """The call, and its arrays laid out for the per-device loop with in_specs.
+
+  Every array the micro-step can reach as an input crosses into the loop:
+  the call's arguments and keywords, and the arrays bound in a
+  `functools.partial`. Other leaves (static arguments) stay as they are.
+
+  Returns:
+    `(call, placed, in_specs)`, `call` being `(args, kwargs, bound_args,
+    bound_kwargs)`, whose array leaves `placed` lays out.
+  """
+  call = (tuple(args), dict(kwargs), config.bound_args, config.bound_kwargs)
+  is_batch = (
+    tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
+    *(jax.tree.map(lambda _: False, part) for part in call[1:]),
+  )
+  placed, in_specs = placed_inputs(
+    call,
+    is_batch,
+    specs,
+    mesh=mesh,
+    axes=axes,
+    explicit=explicit,
+    keep_sharded=keep_sharded,
+  )
+  return call, placed, in_specs
