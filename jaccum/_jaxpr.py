@@ -118,7 +118,8 @@ def strip_constraints(closed: ClosedJaxpr, axes: Sequence[str]) -> ClosedJaxpr:
 def _as_reciprocal(eqn: JaxprEqn) -> list[JaxprEqn] | None:
   """`x / y` as `x · (1 / y)`, traced on the operands' types and wired to `eqn`'s."""
   x, y = eqn.invars
-  if isinstance(y, Literal) or not jnp.issubdtype(y.aval.dtype, jnp.floating):
+  dtype = getattr(y.aval, "dtype", None)
+  if isinstance(y, Literal) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return None
   closed = jax.make_jaxpr(lambda x, y: x * (1 / y))(x.aval, y.aval)
   (out,) = closed.jaxpr.outvars
