@@ -37,8 +37,9 @@ a batch sharded by `accumulate`            lives on the last devices
                                            (`"gather_once"` is exact: its one
                                            scatter after the loop is of
                                            integers)
-`deterministic` × more than 2¹⁵ - 1        refused: the int32 bins hold that
-micro-batches over all devices             many terms
+`deterministic` × more than 512             refused: the bins hold that many
+micro-batches per device, or 2¹⁵ - 1 over  terms
+all devices
 `deterministic` × a count, on a batch      exact: device d runs the global
 sharded by `accumulate`                    micro-batches d·K .. that are real
 `deterministic` × everything else          exact, and the same bits whatever
@@ -186,10 +187,13 @@ def deterministic_and_sharded_loop(fsdp_mode: str) -> None:
   )
 
 
-def deterministic_and_terms(num_terms: int, most: int) -> None:
-  if num_terms > most:
+def deterministic_and_terms(
+  num_microbatches: int, num_devices: int, per_device: int, most: int
+) -> None:
+  if num_microbatches > per_device or num_microbatches * num_devices > most:
     raise ValueError(
-      f"deterministic=True sums at most {most} micro-batches over all devices "
-      f"exactly (its int32 bins hold that many terms), got num_microbatches × "
-      f"devices = {num_terms}. Use fewer, larger micro-batches."
+      f"deterministic=True sums at most {per_device} micro-batches per device "
+      f"and {most} over all devices exactly (what its bins hold), got "
+      f"num_microbatches={num_microbatches} on {num_devices} device(s). Use "
+      "fewer, larger micro-batches."
     )

@@ -287,7 +287,7 @@ def _deterministic_start(
     )
   num_devices = 1 if axes is None else jax.lax.axis_size(axes)
   _compose.deterministic_and_terms(
-    config.num_microbatches * num_devices, _exact.MAX_TERMS
+    config.num_microbatches, num_devices, _exact.MAX_PER_DEVICE, _exact.MAX_TERMS
   )
   if axes is None:
     return 0

@@ -268,7 +268,7 @@ def test_sharded_fsdp_modes_many_terms_and_complex_leaves_are_refused():
     sharded(params, batch, jax.random.key(0))
   rows = np.zeros((_exact_max() + 1, 1), np.float32)
   many = jaccum.accumulate(lambda w, x: jnp.mean(x) * w, len(rows), deterministic=True)
-  with pytest.raises(ValueError, match="at most 32767 micro-batches"):
+  with pytest.raises(ValueError, match="at most 512 micro-batches per device"):
     many(1.0, rows)
   complex_grad = jaccum.accumulate(lambda w, x: w * jnp.mean(x), 2, deterministic=True)
   with pytest.raises(TypeError, match="complex64"):
