@@ -85,6 +85,10 @@ def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
   return _in_own_process("pipeline", args)
 
 
+def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("deterministic", args)
+
+
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
   from benchmarks import plan
 
@@ -100,8 +104,8 @@ def _coupled(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # name: how to run it. Parts run in this order, one at a time; the processes
-# of the distributed, fsdp, reduction and pipeline parts are waited for
-# before the next part starts.
+# of the distributed, fsdp, reduction, pipeline and deterministic parts are
+# waited for before the next part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
   "loop": _loop,
@@ -114,6 +118,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "pipeline": _pipeline,
   "plan": _plan,
   "coupled": _coupled,
+  "deterministic": _deterministic,
 }
 
 
