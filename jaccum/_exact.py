@@ -96,18 +96,32 @@ def zeros(
   shape: tuple[int, ...],
   dtype: Any,
   full: Callable[[tuple[int, ...], Any, Any], jax.Array] | None = None,
+  *,
+  integers: bool = False,
 ) -> Acc:
   """The empty sum of terms of `shape` and `dtype`.
 
   `full(shape, value, dtype)` makes each array (default `jnp.full`): the
-  loop passes one that types the carry on the mesh in context.
+  loop passes one that types the carry on the mesh in context. With
+  `integers`, the slots are int32 (up to `MAX_TERMS` terms, one conversion
+  more per slot and term), not floats (up to `MAX_PER_DEVICE`).
   """
   make = full or (lambda s, v, d: jnp.full(s, v, d))
   dtype = compute_dtype(dtype)
+  slots = jnp.int32 if integers else dtype
   return Acc(
-    tuple(make(shape, 0, dtype) for _ in range(_BINS[dtype])),
+    tuple(make(shape, 0, slots) for _ in range(_BINS[dtype])),
     make((), _LOWEST_TOP[dtype], jnp.int32),
     make((), False, jnp.bool_),
+  )
+
+
+def empty_like(acc: Acc) -> Acc:
+  """The empty sum shaped, typed and placed like `acc`."""
+  return Acc(
+    tuple(jnp.zeros_like(b) for b in acc.bins),
+    jnp.full_like(acc.top, _LOWEST_TOP[acc.dtype]),
+    jnp.zeros_like(acc.bad),
   )
 
 
@@ -179,7 +193,7 @@ def add(acc: Acc, terms: jax.Array) -> Acc:
   ok = jnp.isfinite(largest) & (largest < 2.0 ** (BITS * _HIGHEST_TOP[dtype] + 15))
   top = jnp.maximum(acc.top, _top_of(jnp.where(ok, largest, 0), dtype))
   bins = tuple(
-    kept + _slice(terms, _bin_of_slot(top, slot, len(acc.bins)))
+    kept + _slice(terms, _bin_of_slot(top, slot, len(acc.bins))).astype(kept.dtype)
     for slot, kept in enumerate(_align(acc, top))
   )
   return Acc(bins, top, acc.bad | ~ok)

@@ -386,3 +386,49 @@ def test_accuracy_against_float64_is_within_twice_the_float32_path():
     )
   for name, (plain_error, exact_error) in errors.items():
     assert 0 < exact_error <= 2 * plain_error, (name, errors)
+
+
+def test_multisteps_windows_are_order_free_and_equal_accumulate():
+  """A window of 8 micro-gradients, shuffled: the bits of accumulate's K = 8."""
+  params, batch, _ = mlp(MICROBATCHES * ROWS)
+
+  def loss(params, batch, key):  # a plain mean: no traced division to rewrite
+    h = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+    h = jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0)
+    logits = h @ params["v"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  key = jax.random.key(3)
+  grad = jax.jit(jax.grad(loss))
+  micro = [
+    grad(params, jax.tree.map(lambda x, m=m: x[m * ROWS : (m + 1) * ROWS], batch), k)
+    for m, k in ((m, jax.random.fold_in(key, m)) for m in range(MICROBATCHES))
+  ]
+  expected = jax.jit(
+    jaccum.accumulate(jax.grad(loss), 8, rng_argnum=2, deterministic=True)
+  )(params, batch, key)
+  window = jaccum.MultiSteps(optax.identity(), 8, deterministic=True)
+  weights = [3.0, 0.0, 1.0, 7.0, 2.0, 5.0, 1.0, 4.0]
+  means = []
+  for order in ([3, 7, 0, 5, 1, 6, 2, 4], [6, 2, 4, 0, 1, 7, 5, 3]):
+    state, weighted = window.init(params), window.init(params)
+    for m in order:
+      mean, state = window.update(micro[m], state, params)
+      weighted_mean, weighted = window.update(
+        micro[m], weighted, params, weight=weights[m]
+      )
+    assert bool(state.emitted) and bool(weighted.emitted)
+    assert_same_bits(mean, expected)
+    means.append(weighted_mean)
+  assert_same_bits(means[0], means[1])
+
+  def weighted_mean(*grads):
+    pairs = zip(weights, grads, strict=True)
+    return sum(w * np.asarray(g, np.float64) for w, g in pairs) / sum(weights)
+
+  reference = jax.tree.map(weighted_mean, *micro)
+  assert_trees_close(
+    jax.tree.map(lambda x: np.asarray(x, np.float64), means[0]), reference, rtol=1e-6
+  )
+  with pytest.raises(TypeError, match="deterministic=True"):
+    window.update(micro[0], jaccum.MultiSteps(optax.identity(), 8).init(params), params)
