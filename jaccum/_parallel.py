@@ -666,7 +666,9 @@ def data_parallel(
     fsdp_mode: `"gather_once"`, `"shard_grads"` or `"shard_all"`: what stays
       sharded inside the loop (above).
     **accumulate_kwargs: any other option of `accumulate` (`batch_argnums`,
-      `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …).
+      `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …);
+      `deterministic=True` gives the same bits on any number of devices
+      (with counts per device, over a padded batch too).
 
   Returns:
     A function with `grad_fn`'s signature, and `accumulate`'s keyword
