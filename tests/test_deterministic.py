@@ -363,6 +363,12 @@ def test_statistics_counts_and_routes_give_the_same_bits():
     jax.jit(counted)(params, sharded, key, num_real_microbatches=5),
     five(params, first_five, key),
   )
+  # And on one device: 5 of a capacity of 8.
+  capacity = jax.jit(jaccum.accumulate(jax.grad(loss), 8, **options))
+  assert_same_bits(
+    capacity(params, batch, key, num_real_microbatches=5),
+    five(params, first_five, key),
+  )
 
 
 def test_accuracy_against_float64_is_within_twice_the_float32_path():
