@@ -86,7 +86,15 @@ def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
-  return _in_own_process("deterministic", args)
+  from benchmarks import deterministic
+
+  # Timed here, on one device like the sweep; the bytes on 8 simulated
+  # devices in a process of their own.
+  record = deterministic.run(args.quick, args.rounds)
+  wire = _in_own_process("deterministic", args)
+  for row in record["rows"]:
+    row["wire"] = wire[row["model"]]
+  return record
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,8 +112,8 @@ def _coupled(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # name: how to run it. Parts run in this order, one at a time; the processes
-# of the distributed, fsdp, reduction, pipeline and deterministic parts are
-# waited for before the next part starts.
+# of the distributed, fsdp, reduction and pipeline parts (and the
+# deterministic part's bytes) are waited for before the next part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
   "loop": _loop,

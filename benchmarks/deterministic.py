@@ -9,14 +9,15 @@ the LM), with K micro-batches:
 * accuracy: the largest error of each against the whole batch's gradient in
   float64, relative to each leaf's largest entry (the same micro-batches:
   `split="contiguous"` for the plain step too);
-* bytes on the wire: `data_parallel` on 8 simulated devices with K
+* bytes on the wire: `data_parallel` on 8 simulated devices with 2
   micro-batches each, read by `jaccum.inspect.collectives` (per device, per
   step), and the collectives inside the loop (0 for both).
 
-It runs in its own process (the suite starts it), which holds 8 simulated
-CPU devices; the timings use one of them.
+The time and the accuracy are measured in the suite's process, on its one
+device (`run`); the bytes in a process of their own that holds 8 simulated
+CPU devices (`main`, which the suite starts):
 
-    python -m benchmarks.deterministic --out results.json [--quick]
+    python -m benchmarks.deterministic --out wire.json [--quick]
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ def _float64_gradient(model) -> dict:
     return jax.tree.map(np.asarray, grads)
 
 
+def _names(quick: bool) -> tuple[str, ...]:
+  return ("mlp",) if quick else ("mlp", "cnn", "lm")
+
+
 def model_row(name: str, quick: bool, rounds: int) -> dict:
   import jaccum
-  import jaccum.inspect
   from benchmarks import _measure, models
 
   model = models.build(name, quick)
@@ -71,12 +75,6 @@ def model_row(name: str, quick: bool, rounds: int) -> dict:
     },
     rounds,
   )
-  mesh = jax.make_mesh((NUM_DEVICES,), ("data",), devices=jax.devices()[:NUM_DEVICES])
-  wire = {}
-  for variant, options in (("plain", {}), ("deterministic", {"deterministic": True})):
-    step = jax.jit(jaccum.data_parallel(grad, 2, mesh=mesh, **options))
-    counts = jaccum.inspect.collectives(step, model.params, model.batch)
-    wire[variant] = {"bytes": counts.bytes_per_step, "in_loop": counts.inside_loops}
   row = {
     "model": name,
     "K": num_microbatches,
@@ -84,37 +82,54 @@ def model_row(name: str, quick: bool, rounds: int) -> dict:
     "ms": {k: float(np.median(v) * 1e3) for k, v in times.items()},
     "ratio": _measure.paired_ratio(times, "deterministic", "plain"),
     "error": errors,
-    "wire": wire,
   }
   print(
     f"{name}: {row['ms']['plain']:.1f} ms plain, {row['ms']['deterministic']:.1f} "
     f"ms deterministic ({row['ratio']:.3f}x); error {errors['plain']:.2e} plain, "
-    f"{errors['deterministic']:.2e} deterministic; {wire['plain']['bytes']:,} B "
-    f"and {wire['deterministic']['bytes']:,} B on the wire",
+    f"{errors['deterministic']:.2e} deterministic",
     flush=True,
   )
   return row
 
 
+def wire_row(name: str, quick: bool) -> dict:
+  """Bytes per step per device, and collectives in the loop, on 8 devices."""
+  import jaccum
+  import jaccum.inspect
+  from benchmarks import models
+
+  model = models.build(name, quick)
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",), devices=jax.devices()[:NUM_DEVICES])
+  wire = {}
+  for variant, options in (("plain", {}), ("deterministic", {"deterministic": True})):
+    step = jaccum.data_parallel(jax.grad(model.loss), 2, mesh=mesh, **options)
+    counts = jaccum.inspect.collectives(jax.jit(step), model.params, model.batch)
+    wire[variant] = {"bytes": counts.bytes_per_step, "in_loop": counts.inside_loops}
+  print(
+    f"{name}: {wire['plain']['bytes']:,} B plain, "
+    f"{wire['deterministic']['bytes']:,} B deterministic on the wire",
+    flush=True,
+  )
+  return wire
+
+
 def run(quick: bool, rounds: int | None = None) -> dict:
-  assert len(jax.devices("cpu")) >= NUM_DEVICES, "set 8 CPU devices before JAX starts"
+  """Time and accuracy on this process's device (one, for the suite)."""
   rounds = rounds or (3 if quick else 30)
-  names = ("mlp",) if quick else ("mlp", "cnn", "lm")
   return {
     "devices": NUM_DEVICES,
     "rounds": rounds,
-    "rows": [model_row(name, quick, rounds) for name in names],
+    "rows": [model_row(name, quick, rounds) for name in _names(quick)],
   }
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
-  parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
   parser.add_argument("--out", type=pathlib.Path, required=True, help="JSON path")
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
-  record = run(args.quick, args.rounds)
+  record = {name: wire_row(name, args.quick) for name in _names(args.quick)}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(record, indent=2) + "\n")
 
