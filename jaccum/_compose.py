@@ -37,7 +37,7 @@ a batch sharded by `accumulate`            lives on the last devices
                                            (`"gather_once"` is exact: its one
                                            scatter after the loop is of
                                            integers)
-`deterministic` × more than 512             refused: the bins hold that many
+`deterministic` × more than 512            refused: the bins hold that many
 micro-batches per device, or 2¹⁵ - 1 over  terms
 all devices
 `deterministic` × a count, on a batch      exact: device d runs the global
