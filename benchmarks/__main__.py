@@ -85,6 +85,18 @@ def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
   return _in_own_process("pipeline", args)
 
 
+def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import deterministic
+
+  # Timed here, on one device like the sweep; the bytes on 8 simulated
+  # devices in a process of their own.
+  record = deterministic.run(args.quick, args.rounds)
+  wire = _in_own_process("deterministic", args)
+  for row in record["rows"]:
+    row["wire"] = wire[row["model"]]
+  return record
+
+
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
   from benchmarks import plan
 
@@ -100,8 +112,8 @@ def _coupled(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # name: how to run it. Parts run in this order, one at a time; the processes
-# of the distributed, fsdp, reduction and pipeline parts are waited for
-# before the next part starts.
+# of the distributed, fsdp, reduction and pipeline parts (and the
+# deterministic part's bytes) are waited for before the next part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
   "loop": _loop,
@@ -114,6 +126,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "pipeline": _pipeline,
   "plan": _plan,
   "coupled": _coupled,
+  "deterministic": _deterministic,
 }
 
 

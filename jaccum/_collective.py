@@ -18,7 +18,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from jaccum import _reduce
+from jaccum import _exact, _reduce
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -115,6 +115,24 @@ def fold_device(key: jax.Array, axes: Sequence[str]) -> jax.Array:
   )
 
 
+def first_microbatch(
+  axes: Sequence[str], num_microbatches: int, num_real: Any, count_varies: bool
+) -> jax.Array:
+  """This device's first micro-batch in the global order (`deterministic=True`).
+
+  Devices hold consecutive micro-batches: device d's first is the number the
+  devices before it run, d·K without a count (one small all-gather when the
+  counts differ between devices).
+  """
+  device = jax.lax.axis_index(tuple(axes))
+  if num_real is None:
+    return device * num_microbatches
+  if not count_varies:
+    return device * num_real
+  counts = jax.lax.all_gather(num_real, tuple(axes))
+  return jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < device, counts, 0))
+
+
 def _device_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """Device 0's value of `x` on every device (exact for any dtype, keys too)."""
   is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
@@ -165,6 +183,11 @@ def all_reduce(
   reduction and back after it. Leaves marked in `skip` are
   returned as they are (a `reduce_fn` reduces them).
 
+  Exact sums (`deterministic=True`: exact leaves, the weights, the
+  statistics) go into the same psum as int32 bins aligned over `axes`, or are
+  reduce-scattered as integers (`_exact.psum`, `_exact.scatter`), and come
+  back as floats: sums, or weighted means divided once by the total.
+
   Returns:
     `(acc, total, state, extras)` combined over devices; `total` is the summed
     weight (None when unweighted).
@@ -176,8 +199,9 @@ def all_reduce(
   total = None if weights is None else weights.total
 
   def summand(i):
-    # A scattered leaf holds Σ w·out already; others Σ w·out / Σ |w|.
-    if weights is not None and plans[i].mode == "mean" and not plans[i].scattered:
+    # A scattered or exact leaf holds Σ w·out already; others Σ w·out / Σ |w|.
+    p = plans[i]
+    if weights is not None and p.mode == "mean" and not (p.scattered or p.exact):
       compute = jnp.promote_types(values[i].dtype, weights.norm.dtype)
       return values[i].astype(compute) * weights.norm.astype(compute)
     return values[i]
@@ -205,6 +229,9 @@ def all_reduce(
   by_rest: dict[tuple[str, ...], list[int]] = {}
   for i, p in enumerate(plans):
     how = hows[i] if p.mode in ("mean", "sum") and not skipped[i] else None
+    if how is not None and p.exact:  # summed over every axis, in integers
+      values[i] = _exact.scatter(values[i], how, axes)
+      continue
     if how is not None:
       (values[i],) = on_the_wire(lambda xs, how=how: [how.scatter(xs[0])], [summand(i)])
     how = how or p.scattered
@@ -230,7 +257,7 @@ def all_reduce(
   to_sum += list(extras)
   if weighted:
     to_sum.append(total)
-  to_sum = jax.lax.psum(to_sum, axes) if to_sum else []
+  to_sum = _exact.psum(to_sum, axes) if to_sum else []
   num_devices = jax.lax.axis_size(axes)
   total = to_sum.pop() if weighted else None
   summed_extras = to_sum[len(to_sum) - len(extras) :]
@@ -242,9 +269,11 @@ def all_reduce(
       continue
     if p.mode in ("max", "min"):
       values[i] = (jax.lax.pmax if p.mode == "max" else jax.lax.pmin)(values[i], axes)
-    if total is not None and p.mode == "mean":
-      values[i] = _reduce.weighted_mean(values[i], jnp.ones_like(total), total)
-      values[i] = values[i].astype(p.carry_dtype)
+    if total is not None and p.mode == "mean" and p.exact:
+      divisor = _reduce.exact_divisor(weights, total)  # pyright: ignore[reportArgumentType]
+      values[i] = _exact.divide(values[i], divisor).astype(p.carry_dtype)
+    elif total is not None and p.mode == "mean":
+      values[i] = _reduce.weighted_mean(values[i], total).astype(p.carry_dtype)
   state_values = [
     next(sums) / num_devices if f else _device_zero(s, axes)
     for s, f in zip(state_values, floating, strict=True)

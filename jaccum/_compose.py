@@ -22,6 +22,28 @@ batch sharded by `accumulate`              live on the first devices
 a batch sharded by `accumulate`            lives on the last devices
 `return_stats` × gradients not averaged    refused: the noise scale measures
                                            means
+`deterministic` × `split="strided"`        refused: a strided micro-batch's
+                                           rows depend on K and the devices
+`deterministic` × `state_argnum`           refused: state threads through
+                                           each device's micro-batches in
+                                           turn, a chain that K and the
+                                           devices cut differently
+`deterministic` × `reduce_fn`              refused: its sum is the user's,
+                                           not exact
+`deterministic` × `reduce_dtype`           refused: a narrowed wire rounds
+                                           each device's share
+`deterministic` × FSDP's sharded modes     refused: their reduce-scatters in
+                                           the loop sum floats per micro-batch
+                                           (`"gather_once"` is exact: its one
+                                           scatter after the loop is of
+                                           integers)
+`deterministic` × more than 512            refused: the bins hold that many
+micro-batches per device, or 2¹⁵ - 1 over  terms
+all devices
+`deterministic` × a count, on a batch      exact: device d runs the global
+sharded by `accumulate`                    micro-batches d·K .. that are real
+`deterministic` × everything else          exact, and the same bits whatever
+                                           K and the devices
 =========================================  =====================================
 
 Pairs not listed are exact together; `tests/test_pairs.py` crosses every
@@ -37,8 +59,13 @@ if TYPE_CHECKING:  # _config checks the options with these rules
   from jaccum._config import Config
 
 
-def check_options(config: Config) -> None:
-  """The pairs that the options alone decide, checked when they are given."""
+def check_options(config: Config, split: str | None = None) -> None:
+  """The pairs that the options alone decide, checked when they are given.
+
+  `split` is the one given (None: the default).
+  """
+  if config.deterministic:
+    _deterministic_and(config, split)
   if config.reduce_fn is not None and config.reduce_dtype is not None:
     raise ValueError(
       f"reduce_fn and reduce_dtype={config.reduce_dtype} do not combine: "
@@ -112,4 +139,61 @@ def stats_need_means(modes: Sequence[str]) -> None:
       f'reduced with "mean", got {summed}. For a loss summed '
       f"over examples, divide it by the micro-batch's size (or, with "
       f'weight_fn, its total weight) and keep reduce="mean".'
+    )
+
+
+def _deterministic_and(config: Config, split: str | None) -> None:
+  """`deterministic=True` × the options whose result depends on K and the devices."""
+  why = {
+    "split": (
+      split == "strided",
+      'split="strided"',
+      "a strided micro-batch (rows k, k+K, …) holds different rows for each K "
+      "and number of devices. Leave split out (deterministic=True splits "
+      "contiguously: micro-batch m is rows m·R .. (m+1)·R - 1)",
+    ),
+    "state": (
+      config.state_argnum is not None,
+      f"state_argnum={config.state_argnum}",
+      "the state is threaded through each device's micro-batches in turn, a "
+      "chain that K and the devices cut differently (BatchNorm statistics "
+      "would differ). Keep the state out of grad_fn's arguments, or drop "
+      "deterministic=True",
+    ),
+    "reduce_fn": (
+      config.reduce_fn is not None,
+      "reduce_fn",
+      "reduce_fn's sum over devices is its own, not exact. Drop one of them",
+    ),
+    "reduce_dtype": (
+      config.reduce_dtype is not None,
+      f"reduce_dtype={config.reduce_dtype}",
+      "deterministic=True sends exact integer sums; a narrower wire would "
+      "round each device's share. Drop reduce_dtype",
+    ),
+  }
+  for refused, named, reason in why.values():
+    if refused:
+      raise ValueError(f"deterministic=True and {named} do not combine: {reason}.")
+
+
+def deterministic_and_sharded_loop(fsdp_mode: str) -> None:
+  raise ValueError(
+    f"deterministic=True and fsdp_mode={fsdp_mode!r} do not combine: that mode "
+    "reduce-scatters floating gradients inside the loop, one sum over devices "
+    "per micro-batch, whose rounding depends on K and the devices. Use "
+    "fsdp_mode='gather_once' (its one reduce-scatter after the loop sums "
+    "integers, exactly)."
+  )
+
+
+def deterministic_and_terms(
+  num_microbatches: int, num_devices: int, per_device: int, most: int
+) -> None:
+  if num_microbatches > per_device or num_microbatches * num_devices > most:
+    raise ValueError(
+      f"deterministic=True sums at most {per_device} micro-batches per device "
+      f"and {most} over all devices exactly (what its bins hold), got "
+      f"num_microbatches={num_microbatches} on {num_devices} device(s). Use "
+      "fewer, larger micro-batches."
     )

@@ -127,6 +127,7 @@ class Config(NamedTuple):
   overlap_reduction: bool = False
   reduce_dtype: np.dtype | None = None
   reduce_fn: Callable[..., Any] | None = None
+  deterministic: bool = False
 
 
 def axis_tuple(axis_name: Any, name: str = "axis_name") -> tuple[str, ...]:
@@ -153,7 +154,7 @@ def make_config(
   rng_argnum: int | None = None,
   state_argnum: int | None = None,
   axis_name: str | tuple[str, ...] | None = None,
-  split: Split = "strided",
+  split: Split | None = None,
   unroll: int | bool = 1,
   grad_leaves: Any = None,
   return_stats: bool = False,
@@ -161,13 +162,20 @@ def make_config(
   overlap_reduction: bool = False,
   reduce_dtype: Any = None,
   reduce_fn: Callable[..., Any] | None = None,
+  deterministic: bool = False,
 ) -> Config:
-  """Checks every option of `accumulate` that can be checked without arguments."""
+  """Checks every option of `accumulate` that can be checked without arguments.
+
+  `split=None` is `"strided"`, or `"contiguous"` with `deterministic=True`
+  (micro-batch m is then rows m·R .. (m+1)·R - 1 whatever K and the devices).
+  """
   if not callable(grad_fn):
     raise TypeError(f"grad_fn must be callable, got {grad_fn!r}.")
   _reduce.check_reduce_spec(reduce)
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"weight_fn must be callable or None, got {weight_fn!r}.")
+  deterministic = _check_bool(deterministic, "deterministic")
+  default_split = "contiguous" if deterministic else "strided"
   fn, bound_args, bound_kwargs = grad_fn, (), {}
   if isinstance(grad_fn, functools.partial):
     fn, bound_args, bound_kwargs = grad_fn.func, grad_fn.args, grad_fn.keywords
@@ -183,7 +191,7 @@ def make_config(
     rng_argnum=_check_argnum(rng_argnum, "rng_argnum"),
     state_argnum=_check_argnum(state_argnum, "state_argnum"),
     axes=None if axis_name is None else axis_tuple(axis_name),
-    split=check_split(split),
+    split=check_split(split if split is not None else default_split),
     unroll=_check_unroll(unroll),
     grad_leaves=None if grad_leaves is None else _check_grad_leaves(grad_leaves),
     return_stats=_check_bool(return_stats, "return_stats"),
@@ -191,8 +199,9 @@ def make_config(
     overlap_reduction=_check_bool(overlap_reduction, "overlap_reduction"),
     reduce_dtype=_reduce.check_accum_dtype(reduce_dtype, "reduce_dtype"),
     reduce_fn=_check_reduce_fn(reduce_fn),
+    deterministic=deterministic,
   )
-  _compose.check_options(config)
+  _compose.check_options(config, split)
   return config
 
 

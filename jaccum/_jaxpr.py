@@ -4,9 +4,11 @@ jaccum traces the user's micro-step once (`jax.make_jaxpr`) and evaluates
 that program in its loop, so it can adjust what the program does where the
 loop needs it: put convolutions into XLA:CPU's fast layout (`_conv_layout`),
 drop the data axes from sharding constraints that run on one device's rows
-(`strip_constraints`). Programs nest (jit, remat, custom_jvp/vjp, cond, scan, while,
-shard_map, ...): they hold their bodies as `Jaxpr` or `ClosedJaxpr` params,
-alone or in a tuple (cond's branches). A rewrite keeps every equation's
+(`strip_constraints`), write divisions the way every compile path rounds
+them alike (`divisions_as_reciprocals`, for `deterministic=True`). Programs
+nest (jit, remat, custom_jvp/vjp, cond, scan, while, shard_map, ...): they
+hold their bodies as `Jaxpr` or `ClosedJaxpr` params, alone or in a tuple
+(cond's branches). A rewrite keeps every equation's
 input and output types, so the equations holding nested programs stay valid.
 """
 
@@ -16,7 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 P = jax.sharding.PartitionSpec
 
@@ -110,3 +113,43 @@ def strip_constraints(closed: ClosedJaxpr, axes: Sequence[str]) -> ClosedJaxpr:
     return [eqn.replace(params={**eqn.params, "sharding": new})]
 
   return rewrite_eqns(closed, strip)
+
+
+def _as_reciprocal(eqn: JaxprEqn) -> list[JaxprEqn] | None:
+  """`x / y` as `x · (1 / y)`, traced on the operands' types and wired to `eqn`'s."""
+  x, y = eqn.invars
+  dtype = getattr(y.aval, "dtype", None)
+  if isinstance(y, Literal) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    return None
+  closed = jax.make_jaxpr(lambda x, y: x * (1 / y))(x.aval, y.aval)
+  (out,) = closed.jaxpr.outvars
+  if closed.consts or not isinstance(out, Var) or out.aval != eqn.outvars[0].aval:
+    return None
+  rename: dict[Any, Any] = dict(zip(closed.jaxpr.invars, eqn.invars, strict=True))
+  rename[out] = eqn.outvars[0]
+  return [
+    new.replace(
+      invars=[rename.get(v, v) if isinstance(v, Var) else v for v in new.invars],
+      outvars=[rename.get(v, v) for v in new.outvars],
+      source_info=eqn.source_info,
+      ctx=eqn.ctx,
+    )
+    for new in closed.jaxpr.eqns
+  ]
+
+
+def divisions_as_reciprocals(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """Every floating division by a traced value, `x / y`, written `x · (1 / y)`.
+
+  XLA's simplifier turns `x / broadcast(s)` into `x · broadcast(1 / s)` (two
+  roundings, not one) only where nothing else uses that broadcast. On
+  several devices the compiler shares identical broadcasts first (its SPMD
+  clean-up runs CSE), on one device it does not: a softmax's backward pass
+  then divides on one path and multiplies on the other, and the same
+  micro-batch's gradient differs in its last bits (measured on CPU, XLA of
+  jax 0.10.2). Written as a reciprocal here, every path computes the same.
+  A division by a constant (`x / 3.0`) stays as it is.
+  """
+  return rewrite_eqns(
+    closed, lambda eqn: _as_reciprocal(eqn) if eqn.primitive.name == "div" else None
+  )

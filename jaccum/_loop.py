@@ -13,6 +13,8 @@ option                                            stage
 FSDP's sharded modes (gather, scatter)            `_step.MicroStep.__call__`
 `weight_fn`, `num_real_microbatches`              `Weighing`
 `reduce`, `accum_dtype`                           `_reduce.update` (`_fold`)
+`deterministic`: exact sums                       `_reduce.update`, `_exact`
+`deterministic`: global micro-batch order         `_step.MicroInputs.first`
 `return_stats`                                    `_measure`
 a count per device with in-loop collectives       `_gate`
 `unroll`, `overlap_reduction`, a count            `_drive`
@@ -29,7 +31,16 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _compose, _config, _fsdp, _reduce, _stats, _step
+from jaccum import (
+  _collective,
+  _compose,
+  _config,
+  _exact,
+  _fsdp,
+  _reduce,
+  _stats,
+  _step,
+)
 from jaccum._config import Config, Positions
 from jaccum._grads import gradient_mask, params_of
 from jaccum._microbatch import check_batch
@@ -45,13 +56,14 @@ class Carry(NamedTuple):
     acc: per output leaf, its running reduction (`_reduce.update`).
     state: the threaded state, or None.
     total: the weights so far (`_reduce.Weights`), or None when unweighted.
-    stats: with `return_stats`, `(Σ_k w_k |g_k|², K')`, else None.
+    stats: with `return_stats`, `(Σ_k w_k |g_k|², K')`, else None; with
+      `deterministic=True` the first is an exact sum (`_exact.Acc`).
   """
 
   acc: Any
   state: Any
   total: _reduce.Weights | None
-  stats: tuple[jax.Array, jax.Array] | None
+  stats: tuple[Any, jax.Array] | None
 
 
 class Local(NamedTuple):
@@ -76,7 +88,7 @@ class Local(NamedTuple):
   acc: Any
   total: _reduce.Weights | None
   state: Any
-  stats: tuple[jax.Array, jax.Array] | None
+  stats: tuple[Any, jax.Array] | None
   unit_weight: int
 
 
@@ -95,6 +107,8 @@ class Weighing(NamedTuple):
   dtype: Any
 
   def init(self) -> _reduce.Weights:
+    if self.config.deterministic:
+      return _reduce.exact_weights(self.dtype, self.unit)
     return _reduce.Weights(_reduce.zeros(self.dtype), _reduce.zeros(self.dtype))
 
   def __call__(self, step_args: Sequence[Any], active: Any) -> jax.Array:
@@ -131,13 +145,13 @@ def _fold(
 
 
 def _measure(
-  stats: tuple[jax.Array, jax.Array],
+  stats: tuple[Any, jax.Array],
   out: Any,
   whole_grads: Any,
   norms: Sequence[jax.Array],
   weight: Any,
   rows: int,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[Any, jax.Array]:
   """One scalar per micro-step: all the gradient noise scale needs.
 
   `whole_grads` marks the gradients held whole in `out`; scattered ones
@@ -146,7 +160,9 @@ def _measure(
   w = jnp.asarray(rows if weight is None else weight, jnp.float32)
   norm = _stats.sq_norm(out, whole_grads) + sum(norms, jnp.float32(0))
   sq_sum, count = stats
-  return sq_sum + jnp.where(w != 0, w * norm, 0), count + (w != 0).astype(jnp.float32)
+  term = jnp.where(w != 0, w * norm, 0)
+  sq_sum = _exact.add(sq_sum, term) if _exact.is_acc(sq_sum) else sq_sum + term
+  return sq_sum, count + (w != 0).astype(jnp.float32)
 
 
 def _gate(active: Any, new: Carry, old: Carry, leaves: Any) -> Carry:
@@ -208,11 +224,11 @@ def _initial_carry(
   step: _step.MicroStep,
   state0: Any,
   weighing: Weighing | None,
-  stats: bool,
+  config: Config,
   axes: tuple[str, ...] | None,
-  num_microbatches: int,
 ) -> Carry:
   """The carry before the first micro-batch, typed as the loop will make it."""
+  num_microbatches = config.num_microbatches
   acc = _reduce.init(leaves, step.out_shape, num_microbatches)
   total = None
   if weighing is not None:
@@ -221,8 +237,10 @@ def _initial_carry(
       like = jax.tree.map(lambda _: step.weight_shape, total)
       total = _collective.match_varying(total, like)
   stats0 = None
-  if stats:
+  if config.return_stats:
     stats0 = (_reduce.zeros(jnp.float32), _reduce.zeros(jnp.float32))
+    if config.deterministic:
+      stats0 = (_reduce.exact_weights(jnp.float32).total, stats0[1])
     if axes is not None:
       stats0 = _collective.cast_varying(stats0, axes)
   return Carry(_collective.match_varying(acc, step.out_shape), state0, total, stats0)
@@ -247,6 +265,35 @@ def _lockstep(
   )
   sharded = any(step.gathered) or any(h is not None for h in scattered or ())
   return axes if sharded else None
+
+
+def _deterministic_start(
+  config: Config,
+  axes: tuple[str, ...] | None,
+  num_real: Any,
+  count_varies: bool,
+  fsdp: _fsdp.Plan | None,
+) -> Any:
+  """With `deterministic=True`, the global index of this device's first micro-batch.
+
+  Checked first: the micro-batches over all devices fit the exact sums, and
+  no FSDP mode scatters inside the loop.
+  """
+  if not config.deterministic:
+    return 0
+  if fsdp is not None:
+    _compose.deterministic_and_sharded_loop(
+      "shard_all" if any(fsdp.params) else "shard_grads"
+    )
+  num_devices = 1 if axes is None else jax.lax.axis_size(axes)
+  _compose.deterministic_and_terms(
+    config.num_microbatches, num_devices, _exact.MAX_PER_DEVICE, _exact.MAX_TERMS
+  )
+  if axes is None:
+    return 0
+  return _collective.first_microbatch(
+    axes, config.num_microbatches, num_real, count_varies
+  )
 
 
 def scan(
@@ -288,11 +335,17 @@ def scan(
     hint=_config.batch_hint(config, at),
   )
   rows = batch_size // config.num_microbatches
-  inputs = _step.prepare(config, at, args, kwargs, axes)
+  first = _deterministic_start(config, axes, num_real, count_varies, fsdp)
+  inputs = _step.prepare(config, at, args, kwargs, axes, first)
   state0 = None if at.state is None else inputs.args[at.state]
   step = _step.trace(config, inputs, state0, axes, fsdp.params if fsdp else ())
   leaves = _reduce.plan(
-    config.reduce, step.out_shape, config.accum_dtype, rows, config.split
+    config.reduce,
+    step.out_shape,
+    config.accum_dtype,
+    rows,
+    config.split,
+    exact=config.deterministic,
   )
   params = params_of(config, at, args)
   if fsdp is not None:  # argument 0, whole, as the micro-step saw it
@@ -339,15 +392,7 @@ def scan(
       new = new._replace(stats=stats)
     return new if active is None else _gate(active, new, carry, leaves)
 
-  carry = _initial_carry(
-    leaves,
-    step,
-    state0,
-    weighing,
-    config.return_stats,
-    axes,
-    config.num_microbatches,
-  )
+  carry = _initial_carry(leaves, step, state0, weighing, config, axes)
   carry = _drive(body, carry, config, num_real, lockstep)
   return Local(
     leaves,
@@ -465,9 +510,13 @@ def stats_of(
   grad_sq_norm: jax.Array,
 ) -> _stats.AccumulationStats:
   """The noise-scale estimates, once the devices' figures are combined."""
-  weighted_sq_sum, num_weighted = extras
+  weighted_sq_sum, num_weighted = (_exact.as_float(x) for x in extras)
   # Without weight_fn every micro-batch weighs its rows.
   weight = jnp.float32(local.unit_weight * num_terms) if total is None else total
+  if any(p.exact for p in jax.tree.leaves(local.leaves, is_leaf=_reduce.is_plan)):
+    # The same divisions on every route: XLA rounds a division by a constant
+    # (a weight known when tracing) as a product with its reciprocal.
+    weight, num_weighted = jax.lax.optimization_barrier((weight, num_weighted))
   return _stats.estimate(weighted_sq_sum, num_weighted, weight, grad_sq_norm)
 
 
@@ -539,7 +588,7 @@ def run(
   weights, total, state = local.total, None, local.state
   extras, final = list(local.stats or ()), None
   if local.total is not None:
-    total = local.total.total
+    total = _reduce.weight_sum(local.total)
   if config.axes is not None:
     acc, total, state, extras, final, reduce_state = _combine_devices(
       config, local, num_terms, reduce_state

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaccum import _reduce
+from jaccum import _exact, _reduce
 
 EveryK = int | Callable[[jax.Array], Any]
 SkipFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -42,7 +42,9 @@ class MultiStepsState(NamedTuple):
       while `mini_step` is 0 is never read).
     skip_state: what `should_skip_update_fn` returned on the last call.
     acc_weight: float32, the sum of the weights accumulated in the window; None
-      in a state converted from optax, which `update` reads as `mini_step`.
+      in a state converted from optax, which `update` reads as `mini_step`;
+      an exact sum (`_exact.Acc`) with `deterministic=True`, as `acc_grads`'s
+      leaves are.
     emitted: bool, whether the call that returned this state applied the inner
       optimizer (what `MultiSteps.has_updated` reads).
     num_skipped: int32, the mini-steps `should_skip_update_fn` has rejected.
@@ -69,7 +71,7 @@ class MultiStepsState(NamedTuple):
   inner_opt_state: Any
   acc_grads: Any
   skip_state: Any = ()
-  acc_weight: jax.Array | None = None
+  acc_weight: jax.Array | _exact.Acc | None = None
   emitted: jax.Array | bool = False
   num_skipped: jax.Array | int = 0
 
@@ -157,7 +159,10 @@ class _MultiSteps:
     use_grad_mean: bool,
     should_skip_update_fn: SkipFn | None,
     accumulator_dtype: Any,
+    deterministic: bool = False,
   ):
+    if not isinstance(deterministic, bool | np.bool_):
+      raise TypeError(f"deterministic must be True or False, got {deterministic!r}.")
     if not (
       callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))
     ):
@@ -177,7 +182,9 @@ class _MultiSteps:
       use_grad_mean,
       should_skip_update_fn,
       accumulator_dtype,
+      deterministic,
     )
+    self._deterministic = bool(deterministic)
     self.opt = optax.with_extra_args_support(opt)
     self._every_k_schedule = every_k_schedule
     self._use_grad_mean = bool(use_grad_mean)
@@ -211,17 +218,33 @@ class _MultiSteps:
     if self._should_skip_update_fn is not None:
       zeros = optax.tree.zeros_like(params)
       _, skip_state = self._should_skip_update_fn(zeros, gradient_step, params)
+    # zeros_like, not zeros(shape): it keeps the param's sharding and device.
+    acc_grads = jax.tree.map(lambda p: jnp.zeros_like(p, self._acc_dtype(p)), params)
+    acc_weight = jnp.zeros([], jnp.float32)
+    if self._deterministic:  # exact sums, in int32 slots (a window of any length)
+      acc_grads = jax.tree.map(self._exact_zeros, params)
+      acc_weight = _exact.zeros((), jnp.float32, integers=True)
     return MultiStepsState(
       mini_step=jnp.zeros([], jnp.int32),
       gradient_step=gradient_step,
       inner_opt_state=self.opt.init(params),
-      # zeros_like, not zeros(shape): it keeps the param's sharding and device.
-      acc_grads=jax.tree.map(lambda p: jnp.zeros_like(p, self._acc_dtype(p)), params),
+      acc_grads=acc_grads,
       skip_state=skip_state,
-      acc_weight=jnp.zeros([], jnp.float32),
+      acc_weight=acc_weight,
       emitted=jnp.zeros([], bool),
       num_skipped=jnp.zeros([], jnp.int32),
     )
+
+  def _exact_zeros(self, param: Any) -> _exact.Acc:
+    """An empty exact sum for `param`'s gradients, with its sharding and device."""
+    shape = jnp.shape(param)
+
+    def full(s, value, dtype):
+      if s == shape:
+        return jnp.full_like(param, value, dtype)
+      return jnp.full(s, value, dtype)
+
+    return _exact.zeros(shape, self._acc_dtype(param), full, integers=True)
 
   def _check_state(self, state: Any, updates: optax.Updates) -> None:
     if not isinstance(state, MultiStepsState):
@@ -232,25 +255,33 @@ class _MultiSteps:
         "state must be the jaccum.MultiStepsState made by this MultiSteps' init, "
         f"got {type(state).__module__}.{type(state).__qualname__}{fix}."
       )
-    if jax.tree.structure(state.acc_grads) != jax.tree.structure(updates):
+    exact = _exact.is_acc
+    if self._deterministic != exact(state.acc_weight):
+      raise TypeError(
+        f"state must come from a MultiSteps with deterministic={self._deterministic}"
+        " (its accumulator is an exact sum exactly when deterministic=True)."
+      )
+    structure = jax.tree.structure(state.acc_grads, is_leaf=exact)
+    if structure != jax.tree.structure(updates):
       raise ValueError(
         "updates must have the structure of the params given to init, "
         f"{_structure(state.acc_grads)}, got {_structure(updates)}."
       )
     for (path, acc), update in zip(
-      jax.tree_util.tree_flatten_with_path(state.acc_grads)[0],
+      jax.tree_util.tree_flatten_with_path(state.acc_grads, is_leaf=exact)[0],
       jax.tree.leaves(updates),
       strict=True,
     ):
-      if jnp.shape(acc) != jnp.shape(update):
+      if jnp.shape(acc.bins[0] if exact(acc) else acc) != jnp.shape(update):
         raise ValueError(
           f"updates{jax.tree_util.keystr(path)} must have the shape of its "
           f"param, {jnp.shape(acc)}, got {jnp.shape(update)}."
         )
-    if state.acc_weight is not None and jnp.shape(state.acc_weight) != ():
+    weight = state.acc_weight
+    if weight is not None and not isinstance(weight, _exact.Acc) and jnp.shape(weight):
       raise ValueError(
         "state.acc_weight must be a scalar (or None for a state converted from "
-        f"optax), got shape {jnp.shape(state.acc_weight)}."
+        f"optax), got shape {jnp.shape(weight)}."
       )
     expected = jax.eval_shape(self.opt.init, updates)
     if jax.tree.structure(state.inner_opt_state) != jax.tree.structure(expected):
@@ -312,8 +343,8 @@ class _MultiSteps:
     the running mean (or sum) of `mini_step` unweighted mini-steps, whose total
     weight is `mini_step`; it moves to the accumulator dtype here.
     """
-    if state.acc_weight is not None:
-      return state.acc_grads, state.acc_weight
+    if isinstance(state.acc_weight, jax.Array | np.ndarray | np.generic):
+      return state.acc_grads, jnp.asarray(state.acc_weight)
     acc_grads = jax.tree.map(
       lambda acc, u: acc.astype(self._acc_dtype(jnp.promote_types(acc.dtype, u.dtype))),
       state.acc_grads,
@@ -321,16 +352,10 @@ class _MultiSteps:
     )
     return acc_grads, jnp.asarray(state.mini_step).astype(jnp.float32)
 
-  def _update(
-    self,
-    updates: optax.Updates,
-    state: MultiStepsState,
-    params: optax.Params | None,
-    weight: jax.Array | None,
-    extra_args: dict[str, Any],
-  ) -> tuple[optax.Updates, MultiStepsState]:
-    acc_grads, acc_weight = self._window_so_far(state, updates)
-    steps = self._steps_in_window(state.gradient_step)
+  def _skip(
+    self, updates: optax.Updates, state: MultiStepsState, params: Any
+  ) -> tuple[jax.Array, Any]:
+    """`(skip, skip_state)`: whether `should_skip_update_fn` rejects this call."""
     skip, skip_state = jnp.zeros([], bool), state.skip_state
     if self._should_skip_update_fn is not None:
       skip, skip_state = self._should_skip_update_fn(
@@ -342,6 +367,95 @@ class _MultiSteps:
           "should_skip_update_fn must return a bool scalar as its first output, "
           f"got {skip.dtype}{list(skip.shape)}."
         )
+    return skip, skip_state
+
+  def _exact_update(
+    self,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None,
+    weight: jax.Array | None,
+    extra_args: dict[str, Any],
+  ) -> tuple[optax.Updates, MultiStepsState]:
+    """`_update` with the window summed exactly (`deterministic=True`).
+
+    Each accepted mini-step adds `w·g` (`g` without weights) to exact sums
+    (`_exact`): the window's mean is the same bits in any order of its
+    mini-steps, and equals `accumulate(..., deterministic=True)` over the same
+    micro-batch gradients.
+    """
+    steps = self._steps_in_window(state.gradient_step)
+    skip, skip_state = self._skip(updates, state, params)
+    accepted = jnp.logical_not(skip)
+    adds = accepted if weight is None else accepted & (weight != 0)
+    weight = jnp.ones([], jnp.float32) if weight is None else weight
+    empty = state.mini_step == 0
+
+    def added(acc: _exact.Acc, terms: jax.Array) -> _exact.Acc:
+      # An empty window starts from nothing, whatever the state holds.
+      fresh = jax.tree.map(
+        lambda old, new: jnp.where(empty, new, old), acc, _exact.empty_like(acc)
+      )
+      return _exact.add(fresh, jnp.where(adds, terms, 0))
+
+    acc_grads = jax.tree.map(
+      lambda acc, g: added(acc, weight.astype(acc.dtype) * g.astype(acc.dtype)),
+      state.acc_grads,
+      updates,
+      is_leaf=_exact.is_acc,
+    )
+    assert isinstance(state.acc_weight, _exact.Acc)  # checked by _check_state
+    total = added(state.acc_weight, weight)
+
+    def emit_branch(acc_grads, inner_state, params):
+      divisor = _exact.value(total)
+
+      def mean(acc, update):
+        summed = _exact.value(acc)
+        summed = _exact.divide(summed, divisor) if self._use_grad_mean else summed
+        return summed.astype(update.dtype)
+
+      grads = jax.tree.map(mean, acc_grads, updates, is_leaf=_exact.is_acc)
+      new_updates, new_inner = self.opt.update(grads, inner_state, params, **extra_args)
+      new_inner = jax.tree.map(
+        lambda new, old: new.astype(jnp.result_type(old)), new_inner, inner_state
+      )
+      return _cast(new_updates, updates), new_inner
+
+    def keep_branch(acc_grads, inner_state, params):
+      del acc_grads, params
+      return jax.tree.map(jnp.zeros_like, updates), inner_state
+
+    emit = accepted & (state.mini_step + 1 >= steps)
+    new_updates, inner_opt_state = jax.lax.cond(
+      emit, emit_branch, keep_branch, acc_grads, state.inner_opt_state, params
+    )
+    return new_updates, MultiStepsState(
+      mini_step=jnp.where(emit, 0, state.mini_step + accepted.astype(jnp.int32)),
+      gradient_step=jnp.where(
+        emit, optax.safe_increment(state.gradient_step), state.gradient_step
+      ),
+      inner_opt_state=inner_opt_state,
+      acc_grads=acc_grads,
+      skip_state=skip_state,
+      acc_weight=total,
+      emitted=emit,
+      num_skipped=state.num_skipped + skip.astype(jnp.int32),
+    )
+
+  def _update(
+    self,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None,
+    weight: jax.Array | None,
+    extra_args: dict[str, Any],
+  ) -> tuple[optax.Updates, MultiStepsState]:
+    if self._deterministic:
+      return self._exact_update(updates, state, params, weight, extra_args)
+    acc_grads, acc_weight = self._window_so_far(state, updates)
+    steps = self._steps_in_window(state.gradient_step)
+    skip, skip_state = self._skip(updates, state, params)
     accepted = jnp.logical_not(skip)
     adds = accepted
     if weight is None:
@@ -491,6 +605,16 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
       once its share of the mean falls below bf16's resolution (4% rms, 17%
       in the worst entry at K=4096). Measured by
       `benchmarks/multisteps_precision.py`; see the MultiSteps guide.
+    deterministic: sum each window exactly (`accumulate`'s
+      `deterministic=True`, in int32 bins): its (weighted) mean is the same
+      bits in any order of its mini-steps, and the same as `accumulate(...,
+      deterministic=True)` over the same micro-batch gradients (bit for bit
+      when they are: `accumulate` writes the micro-step's divisions by traced
+      values as products with reciprocals, a plain `jax.grad` does not).
+      `acc_grads` and `acc_weight` then hold exact sums (three int32 per
+      parameter); a state of `optax.MultiSteps` does not continue here. At
+      most 2¹⁵ - 1 mini-steps a window. See the guide "Reproducible and
+      elastic accumulation".
 
   Raises:
     TypeError, ValueError: for a bad argument, naming it, what was expected and
@@ -544,9 +668,15 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     use_grad_mean: bool = True,
     should_skip_update_fn: SkipFn | None = None,
     accumulator_dtype: Any = jnp.float32,
+    deterministic: bool = False,
   ) -> MultiSteps:
     window = _MultiSteps(
-      opt, every_k_schedule, use_grad_mean, should_skip_update_fn, accumulator_dtype
+      opt,
+      every_k_schedule,
+      use_grad_mean,
+      should_skip_update_fn,
+      accumulator_dtype,
+      deterministic,
     )
     # The ignore: `update` narrows optax's `OptState` to MultiStepsState.
     self = super().__new__(cls, window.init, window.update)  # pyright: ignore[reportArgumentType]

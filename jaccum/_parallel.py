@@ -294,6 +294,12 @@ def _count(config: Config, num_real: Any, route: Route, unsharded_meaning: bool)
   """The count of real micro-batches: one for all devices, or one per device."""
   if num_real is None:
     return None
+  if unsharded_meaning and config.deterministic:
+    # Global micro-batch m lives on device m // K: each runs those below n,
+    # of the K × devices the batch holds.
+    count = _loop.check_num_real(num_real, route.per_step)
+    first = config.num_microbatches * jnp.arange(route.num_devices, dtype=jnp.int32)
+    return jnp.clip(count - first, 0, config.num_microbatches)
   if unsharded_meaning and config.split == "contiguous":
     _compose.count_and_contiguous(route.axes)
   one_per_device = 0 if unsharded_meaning else route.num_devices
@@ -660,7 +666,9 @@ def data_parallel(
     fsdp_mode: `"gather_once"`, `"shard_grads"` or `"shard_all"`: what stays
       sharded inside the loop (above).
     **accumulate_kwargs: any other option of `accumulate` (`batch_argnums`,
-      `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …).
+      `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …);
+      `deterministic=True` gives the same bits on any number of devices
+      (with counts per device, over a padded batch too).
 
   Returns:
     A function with `grad_fn`'s signature, and `accumulate`'s keyword

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import sysconfig
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaccum import _exact
 from jaccum._microbatch import Split, merge_microbatches
 
 Reduction = Literal["mean", "sum", "concat", "last", "max", "min"]
@@ -73,6 +75,11 @@ class Leaf(NamedTuple):
   reduce-scatters over those axes (FSDP's sharded modes): the carry holds
   this device's shard of its sum over them, `shape` is the shard's, and a
   weighted mean sums `w·out` (weighted before the sum over devices).
+
+  `exact` (`deterministic=True`) marks a floating `"mean"` or `"sum"` leaf
+  whose carry is an exact sum (`_exact.Acc`) of its terms, `w·out` when
+  weighted: the same bits whatever K and the devices; `carry_dtype` is the
+  float it is read back in.
   """
 
   mode: str
@@ -80,6 +87,7 @@ class Leaf(NamedTuple):
   carry_dtype: np.dtype
   shape: tuple[int, ...]
   scattered: Any = None
+  exact: bool = False
 
 
 def plan(
@@ -88,6 +96,7 @@ def plan(
   accum_dtype: np.dtype | None,
   microbatch_size: int,
   split: str,
+  exact: bool = False,
 ) -> Any:
   """Returns a tree of `Leaf` matching `out_shape`, or raises naming the leaf.
 
@@ -98,6 +107,8 @@ def plan(
     microbatch_size: rows per micro-batch, the leading size `"concat"` needs
       to put rows back in order.
     split: the micro-batch order, `"strided"` or `"contiguous"`.
+    exact: sum floating `"mean"` and `"sum"` leaves exactly
+      (`deterministic=True`).
   """
   try:
     modes = jax.tree.broadcast(reduce, out_shape)
@@ -133,6 +144,8 @@ def plan(
           f"{microbatch_size} (the micro-batch size) to restore the row "
           f"order, but {where} has shape {shape.shape}."
         )
+    if exact and mode in ("mean", "sum") and floating:
+      return _exact_leaf(mode, dtype, shape.shape, where)
     carry_dtype = dtype
     if (
       mode in ("mean", "sum")
@@ -144,6 +157,15 @@ def plan(
     return Leaf(mode, dtype, carry_dtype, shape.shape)
 
   return jax.tree.map_with_path(leaf_plan, modes, out_shape)
+
+
+def _exact_leaf(mode: str, dtype: np.dtype, shape: tuple[int, ...], where: str) -> Leaf:
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    raise TypeError(
+      f"deterministic=True sums real floating leaves exactly, but {where} has "
+      f"dtype {dtype}; return its real and imaginary parts as two leaves."
+    )
+  return Leaf(mode, dtype, _exact.compute_dtype(dtype), shape, exact=True)
 
 
 def user_stacklevel() -> int:
@@ -214,6 +236,17 @@ def _full(
   return jnp.full((*lead, *shape.shape), value, dtype, out_sharding=sharding)
 
 
+def _full_like(like: jax.ShapeDtypeStruct) -> Any:
+  """`full(shape, value, dtype)` typed as `_full` types a carry like `like`."""
+  return lambda shape, value, dtype: _full(
+    jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(like, "sharding", None))
+    if shape
+    else jax.ShapeDtypeStruct((), dtype),
+    value,
+    dtype,
+  )
+
+
 def zeros(dtype: Any) -> jax.Array:
   """A scalar zero carry (typed on the mesh in context, as carries must be)."""
   return _full(jax.ShapeDtypeStruct((), dtype), 0, dtype)
@@ -235,6 +268,8 @@ def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
   def init_leaf(leaf: Leaf, shape):
     if leaf.mode == "float0":
       return None
+    if leaf.exact:
+      return _exact.zeros(leaf.shape, leaf.carry_dtype, _full_like(shape))
     if leaf.scattered is not None:
       return _full(
         jax.ShapeDtypeStruct(leaf.shape, leaf.carry_dtype), 0, leaf.carry_dtype
@@ -252,12 +287,42 @@ class Weights(NamedTuple):
   """The weights so far, in float32 or wider (float64 for float64 leaves).
 
   Attributes:
-    total: `Σ w`, the divisor of the weighted mean.
-    norm: `Σ |w|`, the scale a weighted `"mean"` carry is kept at.
+    total: `Σ w`, the divisor of the weighted mean; with `deterministic=True`
+      an exact sum (`_exact.Acc`).
+    norm: `Σ |w|`, the scale a weighted `"mean"` carry is kept at. With
+      `deterministic=True` (exact carries hold `Σ w·out` itself): None for
+      `weight_fn`'s weights, or the `Unit` weight of a count without it,
+      whose exact carries hold `Σ out`, as without a count.
   """
 
-  total: jax.Array
-  norm: jax.Array
+  total: Any
+  norm: Any
+
+
+@jax.tree_util.register_static  # a number known when tracing: no leaves
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """The weight of each micro-batch of a count without `weight_fn`: its rows."""
+
+  rows: int
+
+
+def exact_weights(dtype: Any, unit: int | None = None) -> Weights:
+  """No weights yet, summed exactly (`deterministic=True`); `unit`: see `Weights`."""
+  scalar = jax.ShapeDtypeStruct((), dtype)
+  norm = None if unit is None else Unit(unit)
+  return Weights(_exact.zeros((), dtype, _full_like(scalar)), norm)
+
+
+def exact_divisor(weights: Weights, total: jax.Array) -> jax.Array:
+  """What an exact mean divides by: `Σ w` (`total`), or with unit weights the
+  number of micro-batches, `Σ w / unit` (exact: integers), as without a count."""
+  return total if weights.norm is None else total / weights.norm.rows
+
+
+def weight_sum(weights: Weights) -> jax.Array:
+  """`Σ w` as an array, read back from an exact sum."""
+  return _exact.as_float(weights.total)
 
 
 def weights_dtype(weight_dtype: Any, leaves: Any) -> np.dtype:
@@ -273,6 +338,8 @@ def weights_dtype(weight_dtype: Any, leaves: Any) -> np.dtype:
 
 
 def add_weight(weights: Weights, weight: jax.Array) -> Weights:
+  if _exact.is_acc(weights.total):
+    return Weights(_exact.add(weights.total, weight), weights.norm)
   weight = weight.astype(weights.total.dtype)
   return Weights(weights.total + weight, weights.norm + jnp.abs(weight))
 
@@ -301,6 +368,9 @@ def update(
     if leaf.mode == "float0":
       return acc
     value = jnp.asarray(value)  # a Python scalar output comes back as a literal
+    if leaf.exact:  # unit weights (`norm`) leave the terms as they are
+      unit = after is None or after.norm is not None
+      return _exact.add(acc, _weighted(leaf, value, None if unit else weight))
     if leaf.scattered is not None:  # summed over devices, weighted already
       return acc + value.astype(leaf.carry_dtype)
     if leaf.mode == "concat":
@@ -327,8 +397,20 @@ def update(
   return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=is_plan)
 
 
-def weighted_mean(acc: jax.Array, scaled_by: jax.Array, total: jax.Array) -> jax.Array:
-  """`acc · scaled_by / total`, or zeros where the total weight is 0 (never NaN)."""
+def _weighted(leaf: Leaf, value: jax.Array, weight: jax.Array | None) -> jax.Array:
+  """An exact leaf's term: `w·out` for a weighted mean (0 where w is 0), else `out`."""
+  value = value.astype(leaf.carry_dtype)
+  if leaf.mode != "mean" or weight is None:
+    return value
+  # `where`, not a product: an all-padding micro-batch may hold NaN (0/0).
+  return jnp.where(weight != 0, weight.astype(leaf.carry_dtype) * value, 0)
+
+
+def weighted_mean(
+  acc: jax.Array, total: jax.Array, scaled_by: jax.Array | None = None
+) -> jax.Array:
+  """`acc · scaled_by / total` (`scaled_by` 1 if None), or zeros where `total` is 0."""
+  scaled_by = jnp.ones_like(total) if scaled_by is None else scaled_by
   compute = jnp.promote_types(acc.dtype, total.dtype)
   safe = jnp.where(total != 0, total, 1)
   scale = (scaled_by.astype(total.dtype) / safe).astype(compute)
@@ -376,16 +458,23 @@ def finalize(
   """
   plans, treedef = jax.tree.flatten(leaves, is_leaf=is_plan)
   done = [False] * len(plans) if final is None else list(final)
+  divisor = num_terms
+  if weights is not None and _exact.is_acc(weights.total):
+    divisor = exact_divisor(weights, weight_sum(weights))
 
   def finalize_leaf(leaf: Leaf, acc: Any, done: bool) -> Any:
     if leaf.mode == "float0":
       return np.zeros(leaf.shape, jax.dtypes.float0)
+    if _exact.is_acc(acc):  # one device's exact sum: read back once
+      acc = _exact.value(acc)
+    if leaf.exact and leaf.mode == "mean" and divisor is not None and not done:
+      return jnp.astype(_exact.divide(acc, divisor), leaf.dtype)
     if leaf.mode == "concat":
       return merge_microbatches(acc, split)
     if leaf.mode == "mean" and num_terms is not None and not done:
       acc = acc / num_terms
     if leaf.mode == "mean" and weights is not None and not done:
-      acc = weighted_mean(acc, weights.norm, weights.total)
+      acc = weighted_mean(acc, weights.total, weights.norm)
     return jnp.astype(acc, leaf.dtype)
 
   values = treedef.flatten_up_to(carry)

@@ -86,6 +86,9 @@ class MicroInputs(NamedTuple):
     at: where the batch, the key and the state sit in `args`.
     num_microbatches: K.
     split: `"strided"` or `"contiguous"`.
+    first: the global index of this device's micro-batch 0, which its key
+      is folded with (`deterministic=True`: d·K on device d without a
+      count); 0 otherwise.
   """
 
   args: list[Any]
@@ -93,6 +96,7 @@ class MicroInputs(NamedTuple):
   at: Positions
   num_microbatches: int
   split: Split
+  first: Any = 0
 
   def args_at(self, index: Any, state: Any) -> list[Any]:
     """Micro-batch `index`'s positional arguments, with `state` threaded in."""
@@ -103,7 +107,7 @@ class MicroInputs(NamedTuple):
         self.args[i],
       )
     if at.rng is not None:
-      step_args[at.rng] = jax.random.fold_in(self.args[at.rng], index)
+      step_args[at.rng] = jax.random.fold_in(self.args[at.rng], self.first + index)
     if at.state is not None:
       step_args[at.state] = state
     return step_args
@@ -119,13 +123,16 @@ def prepare(
   args: Sequence[Any],
   kwargs: dict[str, Any],
   axes: tuple[str, ...] | None,
+  first: Any = 0,
 ) -> MicroInputs:
   """The call's arguments made ready for this device's loop.
 
   With `axes` (inside `shard_map`/`pmap`), non-batch arguments are cast to
   device-varying (so no psum enters each micro-step's backward pass), and
   keys (the `rng_argnum` one, typed keys in the state) are folded with the
-  device index, so that devices draw different numbers.
+  device index, so that devices draw different numbers; with
+  `deterministic=True` the key is instead folded with each micro-batch's
+  global index (`first` + its index here).
   """
   args = list(args)
   extras = (config.bound_args, {**config.bound_kwargs, **kwargs})
@@ -135,14 +142,14 @@ def prepare(
       for i, a in enumerate(args)
     ]
     extras = _collective.cast_varying(extras, axes)
-    if at.rng is not None:
+    if at.rng is not None and not config.deterministic:
       args[at.rng] = _collective.fold_device(args[at.rng], axes)
     if at.state is not None:
       args[at.state] = jax.tree.map(
         lambda s: _collective.fold_device(s, axes) if is_typed_key(s) else s,
         args[at.state],
       )
-  return MicroInputs(args, extras, at, config.num_microbatches, config.split)
+  return MicroInputs(args, extras, at, config.num_microbatches, config.split, first)
 
 
 class MicroStep(NamedTuple):
@@ -290,6 +297,8 @@ def trace(
     closed = _jaxpr.strip_constraints(closed, axes)
   if (rewrite := default_rewrite(config)) is not None:
     closed = rewrite(closed)
+  if config.deterministic:
+    closed = _jaxpr.divisions_as_reciprocals(closed)
   gathered = [h for h, d in zip(how, dynamic, strict=True) if d]
   out_tree = jax.tree.structure((out_shape, None if at.state is None else state0))
   return MicroStep(closed, dynamic, out_tree, out_shape, weight_shape, gathered)

@@ -935,6 +935,28 @@ def refuse_last_and_contiguous_on_a_sharded_batch():
   jax.jit(step)(params, batch)
 
 
+def refuse_deterministic_and(option):
+  jaccum.accumulate(make_grad_fn(False, False), K, deterministic=True, **option)
+
+
+def refuse_deterministic_and_fsdp(mode):
+  mesh, params, batch = refusal_setup()
+  step = jaccum.data_parallel(
+    make_grad_fn(False, False),
+    K,
+    mesh=mesh,
+    param_specs=fsdp_specs("data"),
+    fsdp_mode=mode,
+    deterministic=True,
+  )
+  jax.jit(step)(params, batch)
+
+
+def refuse_deterministic_and_too_many_microbatches():
+  step = jaccum.accumulate(lambda w, x: w * jnp.mean(x), 513, deterministic=True)
+  step(1.0, np.zeros((513, 1), np.float32))
+
+
 def refuse_stats_of_summed_gradients():
   step = jaccum.accumulate(
     make_grad_fn(False, False), K, return_stats=True, reduce=(("mean", "mean"), "sum")
@@ -983,6 +1005,34 @@ REFUSALS = {
   "`return_stats` × gradients not averaged": (
     [refuse_stats_of_summed_gradients],
     r"return_stats=True measures gradients .* reduced with \"mean\", got \['sum'\]",
+  ),
+  '`deterministic` × `split="strided"`': (
+    [functools.partial(refuse_deterministic_and, {"split": "strided"})],
+    r'deterministic=True and split="strided" do not combine',
+  ),
+  "`deterministic` × `state_argnum`": (
+    [functools.partial(refuse_deterministic_and, {"state_argnum": 2})],
+    r"deterministic=True and state_argnum=2 do not combine",
+  ),
+  "`deterministic` × `reduce_fn`": (
+    [functools.partial(refuse_deterministic_and, {"reduce_fn": exact_psum})],
+    r"deterministic=True and reduce_fn do not combine",
+  ),
+  "`deterministic` × `reduce_dtype`": (
+    [functools.partial(refuse_deterministic_and, {"reduce_dtype": jnp.bfloat16})],
+    r"deterministic=True and reduce_dtype=bfloat16 do not combine",
+  ),
+  "`deterministic` × FSDP's sharded modes": (
+    [
+      functools.partial(refuse_deterministic_and_fsdp, mode)
+      for mode in ("shard_grads", "shard_all")
+    ],
+    r"deterministic=True and fsdp_mode='shard_(grads|all)' do not combine",
+  ),
+  "`deterministic` × more than 512 micro-batches per device, or 2¹⁵ - 1 over "
+  "all devices": (
+    [refuse_deterministic_and_too_many_microbatches],
+    r"deterministic=True sums at most 512 micro-batches per device",
   ),
 }
 

@@ -1,0 +1,440 @@
+"""`deterministic=True`: the same bits whatever K and the number of devices.
+
+Micro-batch m is rows m·R .. (m+1)·R - 1 of the global batch and draws its
+key from `fold_in(key, m)`; every K × devices split of the same batch must
+give the same bits, which these tests compare with `np.array_equal` on the
+raw bits. Each result is also checked against an independent reference: a
+Python loop over the micro-batches, summed in float64.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, max_rel_error
+
+import jaccum
+
+ROWS = 4  # per micro-batch
+MICROBATCHES = 8
+# (K, devices, per-device counts or None): 8 micro-batches, divided every way,
+# and elastically: 3 devices of 3 slots over a padded batch, the last empty.
+SPLITS = [(8, 1, None), (4, 2, None), (2, 4, None), (1, 8, None), (3, 3, (3, 3, 2))]
+
+
+def _bits(tree):
+  arrays = [np.asarray(x) for x in jax.tree.leaves(tree)]
+  return [x.view(f"u{x.dtype.itemsize}") for x in arrays]
+
+
+def assert_same_bits(actual, expected):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(_bits(actual), _bits(expected), strict=True):
+    assert a.dtype == e.dtype and np.array_equal(a, e), np.flatnonzero(a != e)[:5]
+
+
+def _normal(seed, shape, scale=1.0):
+  return scale * np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _ce(logits, labels, mask):
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def mlp(rows, keep=0.8):
+  """An MLP with dropout (the key; none with `keep=1`) and padded rows (a mask)."""
+  params = {"w": _normal(0, (6, 16), 0.4), "b": np.zeros(16, np.float32)}
+  params["v"] = _normal(1, (16, 3), 0.25)
+  mask = (np.random.default_rng(2).random(rows) < 0.7).astype(np.float32)
+  batch = {"x": _normal(3, (rows, 6)), "y": np.arange(rows) % 3, "mask": mask}
+
+  def loss(params, batch, key):
+    h = jnp.tanh(batch["x"].astype(params["w"].dtype) @ params["w"] + params["b"])
+    if keep < 1:
+      h = jnp.where(jax.random.bernoulli(key, keep, h.shape), h / keep, 0)
+    return _ce(h @ params["v"], batch["y"], batch["mask"])
+
+  return params, batch, loss
+
+
+def cnn(rows):
+  params = {"k": _normal(0, (3, 3, 2, 4), 0.3), "d": _normal(1, (6 * 6 * 4, 3), 0.1)}
+  mask = (np.random.default_rng(2).random(rows) < 0.7).astype(np.float32)
+  batch = {"x": _normal(3, (rows, 6, 6, 2)), "y": np.arange(rows) % 3, "mask": mask}
+
+  def loss(params, batch, key):
+    del key
+    h = jax.lax.conv_general_dilated(
+      batch["x"].astype(params["k"].dtype),
+      params["k"],
+      (1, 1),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
+    logits = jax.nn.relu(h).reshape(h.shape[0], -1) @ params["d"]
+    return _ce(logits, batch["y"], batch["mask"])
+
+  return params, batch, loss
+
+
+def lm(rows):
+  """A one-block causal transformer; the mask marks real target tokens."""
+  vocab, dim, length = 16, 16, 6
+  params = {
+    "embed": _normal(0, (vocab, dim), 0.3),
+    "qkv": _normal(1, (dim, 3 * dim), 0.25),
+    "head": _normal(2, (dim, vocab), 0.25),
+  }
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, vocab, (rows, length + 1))
+  lengths = rng.integers(1, length + 1, rows)
+  mask = (np.arange(length) < lengths[:, None]).astype(np.float32)
+  batch = {"tokens": tokens, "mask": mask}
+
+  def loss(params, batch, key):
+    del key
+    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    x = params["embed"][inputs]
+    q, k, v = jnp.split(x @ params["qkv"], 3, axis=-1)
+    scores = jnp.einsum("bqd,bkd->bqk", q, k) / math.sqrt(dim)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    x = x + jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1) @ v
+    return _ce(x @ params["head"], targets, batch["mask"])
+
+  return params, batch, loss
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "lm": lm}
+
+
+def real_count(params, batch, key):
+  del params, key
+  return batch["mask"].sum()
+
+
+def _pad(batch, rows):
+  """`batch` with zero rows appended up to `rows` (their mask is 0)."""
+  return jax.tree.map(
+    lambda x: np.concatenate([x, np.zeros((rows - len(x), *x.shape[1:]), x.dtype)]),
+    batch,
+  )
+
+
+def accumulated(loss, split, weighted, **options):
+  """`split`'s gradient function: `f(params, batch, key)` on the global batch."""
+  num_microbatches, devices, counts = split
+  options = dict(rng_argnum=2, deterministic=True, **options)
+  if weighted:
+    options["weight_fn"] = real_count
+  grad_fn = jax.grad(loss)
+  if devices == 1:
+    return jax.jit(jaccum.accumulate(grad_fn, num_microbatches, **options))
+  mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+  step = jaccum.data_parallel(grad_fn, num_microbatches, mesh=mesh, **options)
+  if counts is None:
+    return jax.jit(step)
+  slots = num_microbatches * devices * ROWS
+  jitted = jax.jit(step)
+  return lambda p, b, k: jitted(
+    p, _pad(b, slots), k, num_real_microbatches=jnp.array(counts)
+  )
+
+
+def reference(loss, params, batch, key, weighted):
+  """Σ_m w_m g_m / Σ_m w_m over micro-batch m = rows m·R .., key fold_in(key, m)."""
+  grad = jax.jit(jax.grad(loss))
+  terms, weights = [], []
+  for m in range(MICROBATCHES):
+    micro = jax.tree.map(lambda x, m=m: x[m * ROWS : (m + 1) * ROWS], batch)
+    terms.append(grad(params, micro, jax.random.fold_in(key, m)))
+    weights.append(float(micro["mask"].sum()) if weighted else 1.0)
+
+  def mean(*gs):
+    pairs = zip(weights, gs, strict=True)
+    return sum(w * np.asarray(g, np.float64) for w, g in pairs) / sum(weights)
+
+  return jax.tree.map(mean, *terms)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "lm"])
+def test_every_split_of_k_and_devices_gives_the_same_bits(model):
+  """Weighted by real tokens/rows, with dropout keys: one set of bits for all."""
+  params, batch, loss = MODELS[model](MICROBATCHES * ROWS)
+  key = jax.random.key(7)
+  results = [accumulated(loss, s, True)(params, batch, key) for s in SPLITS]
+  for split, result in zip(SPLITS[1:], results[1:], strict=True):
+    assert_same_bits(result, results[0]), split
+  expected = reference(loss, params, batch, key, weighted=True)
+  assert_trees_close(
+    jax.tree.map(lambda x: np.asarray(x, np.float64), results[0]),
+    expected,
+    rtol=2e-6,
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "cnn", "lm"])
+def test_bf16_params_give_the_same_bits_whatever_the_split(model):
+  params, batch, loss = MODELS[model](MICROBATCHES * ROWS)
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  key = jax.random.key(3)
+  results = [accumulated(loss, s, False)(params, batch, key) for s in SPLITS]
+  assert jax.tree.leaves(results[0])[0].dtype == jnp.bfloat16
+  for result in results[1:]:
+    assert_same_bits(result, results[0])
+  expected = reference(loss, params, batch, key, weighted=False)
+  # One rounding to bf16 from the float32 sum: within half a bf16 ulp (2^-9).
+  assert_trees_close(
+    jax.tree.map(lambda x: np.asarray(x, np.float64), results[0]),
+    expected,
+    rtol=2**-8,
+  )
+
+
+def test_exact_sums_are_order_free_and_within_their_bound():
+  """Terms over eleven decades, summed in orders and groupings (devices) at random."""
+  from fractions import Fraction
+
+  from jaccum import _exact
+
+  rng = np.random.default_rng(0)
+  scales = 10.0 ** rng.uniform(-8, 3, size=24)
+  terms = [(rng.standard_normal(64) * s).astype(np.float32) for s in scales]
+  add = jax.jit(_exact.add)
+
+  def total(order, groups):
+    """Each group summed on its own, then merged as devices merge (aligned)."""
+    parts = []
+    for group in np.array_split(order, groups):
+      acc = _exact.zeros((64,), jnp.float32)
+      for i in group:
+        acc = add(acc, terms[i])
+      parts.append(acc)
+    top = max(p.top for p in parts)
+    bins = [sum(b) for b in zip(*[_exact._align(p, top) for p in parts], strict=True)]
+    return np.asarray(_exact.value(_exact.Acc(tuple(bins), top, jnp.bool_(False))))
+
+  expected = total(np.arange(len(terms)), 1)
+  for groups in (2, 3, 8):
+    got = total(rng.permutation(len(terms)), groups)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+  exact = np.array(
+    [float(sum(Fraction(float(t[j])) for t in terms)) for j in range(64)]
+  )
+  largest = max(np.abs(t).max() for t in terms)
+  ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+  bound = len(terms) * 2.0**-32 * largest + 1.5 * ulp
+  assert np.all(np.abs(expected - exact) <= bound)
+  # A non-finite term makes the whole leaf NaN.
+  bad = add(_exact.zeros((64,), jnp.float32), np.where(np.arange(64) == 3, np.inf, 1))
+  assert np.isnan(np.asarray(_exact.value(bad))).all()
+
+
+@pytest.mark.parametrize(
+  "options, named",
+  [
+    ({"split": "strided"}, 'split="strided"'),
+    ({"state_argnum": 2}, "state_argnum=2"),
+    ({"reduce_fn": lambda g, axes, s: (g, s)}, "reduce_fn"),
+    ({"reduce_dtype": jnp.bfloat16}, "reduce_dtype=bfloat16"),
+  ],
+)
+def test_options_that_depend_on_k_and_devices_are_refused_by_name(options, named):
+  with pytest.raises(ValueError, match=rf"deterministic=True and {named} do not"):
+    jaccum.accumulate(jax.grad(mlp(8)[2]), 2, deterministic=True, **options)
+
+
+def test_sharded_fsdp_modes_many_terms_and_complex_leaves_are_refused():
+  params, batch, loss = mlp(16)
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  specs = jax.tree.map(
+    lambda p: jax.P("data") if p.shape[0] % 4 == 0 else jax.P(), params
+  )
+  sharded = jaccum.data_parallel(
+    jax.grad(loss),
+    2,
+    mesh=mesh,
+    param_specs=specs,
+    fsdp_mode="shard_grads",
+    deterministic=True,
+  )
+  with pytest.raises(
+    ValueError, match="deterministic=True and fsdp_mode='shard_grads'"
+  ):
+    sharded(params, batch, jax.random.key(0))
+  rows = np.zeros((_exact_max() + 1, 1), np.float32)
+  many = jaccum.accumulate(lambda w, x: jnp.mean(x) * w, len(rows), deterministic=True)
+  with pytest.raises(ValueError, match="at most 512 micro-batches per device"):
+    many(1.0, rows)
+  complex_grad = jaccum.accumulate(lambda w, x: w * jnp.mean(x), 2, deterministic=True)
+  with pytest.raises(TypeError, match="complex64"):
+    complex_grad(jnp.complex64(1), np.ones(4, np.complex64))
+
+
+def _exact_max():
+  from jaccum import _exact
+
+  return _exact.MAX_TERMS
+
+
+def _adam_run(params, opt_state, steps, split):
+  """Adam steps `steps` on a fresh batch and key each, the gradient from `split`."""
+  _, batch, loss = mlp(MICROBATCHES * ROWS)
+  grad_fn = accumulated(loss, split, weighted=True)
+  adam = optax.adam(1e-2)
+
+  @jax.jit
+  def update(grads, opt_state, params):
+    updates, opt_state = adam.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for step in steps:
+    batch = dict(batch, x=_normal(100 + step, batch["x"].shape))
+    grads = grad_fn(params, batch, jax.random.fold_in(jax.random.key(5), step))
+    params, opt_state = update(grads, opt_state, params)
+  return params, opt_state
+
+
+@pytest.mark.slow
+def test_twenty_adam_steps_match_across_splits_and_a_move_to_four_devices(tmp_path):
+  """(8, 1) and (1, 8) for 20 steps; and 8 devices for 10, checkpointed, then 4."""
+  import orbax.checkpoint as ocp
+
+  params = mlp(8)[0]
+  state = optax.adam(1e-2).init(params)
+  one_device, _ = _adam_run(params, state, range(20), (8, 1, None))
+  eight = _adam_run(params, state, range(10), (1, 8, None))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "step10", {"params": eight[0], "state": eight[1]})
+  eight_devices, _ = _adam_run(*eight, range(10, 20), (1, 8, None))
+  # The job loses half its devices: restore onto 4, with 2 micro-batches each.
+  four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.NamedSharding(four, jax.P())
+    ),
+    {"params": eight[0], "state": eight[1]},
+  )
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(tmp_path / "step10", target)
+  moved, _ = _adam_run(
+    restored["params"], restored["state"], range(10, 20), (2, 4, None)
+  )
+  assert_same_bits(eight_devices, one_device)
+  assert_same_bits(moved, one_device)
+  assert not np.array_equal(one_device["w"], params["w"])
+
+
+def test_statistics_counts_and_routes_give_the_same_bits():
+  """return_stats; a count on a sharded batch; axis_name; FSDP's gather_once."""
+  params, batch, loss = mlp(MICROBATCHES * ROWS)
+  key = jax.random.key(1)
+  options = dict(rng_argnum=2, deterministic=True, return_stats=True)
+  one = jax.jit(jaccum.accumulate(jax.grad(loss), 8, **options))(params, batch, key)
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  parallel = jaccum.data_parallel(jax.grad(loss), 2, mesh=mesh, **options)
+  assert_same_bits(jax.jit(parallel)(params, batch, key), one)
+  # Inside the user's own shard_map, with axis_name.
+  sharded = jax.device_put(batch, jax.NamedSharding(mesh, jax.P("data")))
+  inner = jaccum.accumulate(jax.grad(loss), 2, axis_name="data", **options)
+  mapped = jax.shard_map(
+    inner,
+    mesh=mesh,
+    in_specs=(jax.P(), jax.P("data"), jax.P()),
+    out_specs=jax.P(),
+    check_vma=False,
+  )
+  assert_same_bits(jax.jit(mapped)(params, sharded, key), one)
+  # FSDP gathering once: gradients reduce-scattered after the loop, as integers.
+  specs = {"w": jax.P(), "b": jax.P("data"), "v": jax.P("data")}
+  fsdp = jaccum.data_parallel(
+    jax.grad(loss), 2, mesh=mesh, param_specs=specs, rng_argnum=2, deterministic=True
+  )
+  assert_same_bits(jax.jit(fsdp)(params, batch, key), one[0])
+  # A count on a batch sharded over an explicit mesh: global micro-batches 0..4.
+  counted = jaccum.accumulate(jax.grad(loss), 2, **options)
+  five = jax.jit(jaccum.accumulate(jax.grad(loss), 5, **options))
+  first_five = jax.tree.map(lambda x: x[: 5 * ROWS], batch)
+  assert_same_bits(
+    jax.jit(counted)(params, sharded, key, num_real_microbatches=5),
+    five(params, first_five, key),
+  )
+  # And on one device: 5 of a capacity of 8.
+  capacity = jax.jit(jaccum.accumulate(jax.grad(loss), 8, **options))
+  assert_same_bits(
+    capacity(params, batch, key, num_real_microbatches=5),
+    five(params, first_five, key),
+  )
+
+
+def test_accuracy_against_float64_is_within_twice_the_float32_path():
+  """Weighted means of real gradients, K = 8, against the whole batch in float64."""
+  errors = {}
+  for name, model in [("mlp", lambda r: mlp(r, keep=1.0)), ("cnn", cnn), ("lm", lm)]:
+    params, batch, loss = model(MICROBATCHES * ROWS)
+    key = jax.random.key(0)
+    with jax.enable_x64(True):
+      to64 = lambda t: jax.tree.map(
+        lambda x: np.asarray(x, np.float64) if x.dtype == np.float32 else x, t
+      )
+      expected = jax.jit(jax.grad(loss))(to64(params), to64(batch), key)
+      expected = jax.tree.map(np.asarray, expected)
+    options = dict(weight_fn=real_count, split="contiguous")
+    plain = jax.jit(jaccum.accumulate(jax.grad(loss), 8, **options))
+    exact = accumulated(loss, (8, 1, None), weighted=True)
+    errors[name] = (
+      max_rel_error(plain(params, batch, key), expected),
+      max_rel_error(exact(params, batch, key), expected),
+    )
+  for name, (plain_error, exact_error) in errors.items():
+    assert 0 < exact_error <= 2 * plain_error, (name, errors)
+
+
+def test_multisteps_windows_are_order_free_and_equal_accumulate():
+  """A window of 8 micro-gradients, shuffled: the bits of accumulate's K = 8."""
+  params, batch, _ = mlp(MICROBATCHES * ROWS)
+
+  def loss(params, batch, key):  # a plain mean: no traced division to rewrite
+    h = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+    h = jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0)
+    logits = h @ params["v"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  key = jax.random.key(3)
+  grad = jax.jit(jax.grad(loss))
+  micro = [
+    grad(params, jax.tree.map(lambda x, m=m: x[m * ROWS : (m + 1) * ROWS], batch), k)
+    for m, k in ((m, jax.random.fold_in(key, m)) for m in range(MICROBATCHES))
+  ]
+  expected = jax.jit(
+    jaccum.accumulate(jax.grad(loss), 8, rng_argnum=2, deterministic=True)
+  )(params, batch, key)
+  window = jaccum.MultiSteps(optax.identity(), 8, deterministic=True)
+  weights = [3.0, 0.0, 1.0, 7.0, 2.0, 5.0, 1.0, 4.0]
+  means = []
+  for order in ([3, 7, 0, 5, 1, 6, 2, 4], [6, 2, 4, 0, 1, 7, 5, 3]):
+    state, weighted = window.init(params), window.init(params)
+    for m in order:
+      mean, state = window.update(micro[m], state, params)
+      weighted_mean, weighted = window.update(
+        micro[m], weighted, params, weight=weights[m]
+      )
+    assert bool(state.emitted) and bool(weighted.emitted)
+    assert_same_bits(mean, expected)
+    means.append(weighted_mean)
+  assert_same_bits(means[0], means[1])
+
+  def weighted_mean(*grads):
+    pairs = zip(weights, grads, strict=True)
+    return sum(w * np.asarray(g, np.float64) for w, g in pairs) / sum(weights)
+
+  reference = jax.tree.map(weighted_mean, *micro)
+  assert_trees_close(
+    jax.tree.map(lambda x: np.asarray(x, np.float64), means[0]), reference, rtol=1e-6
+  )
+  with pytest.raises(TypeError, match="deterministic=True"):
+    window.update(micro[0], jaccum.MultiSteps(optax.identity(), 8).init(params), params)
