@@ -513,18 +513,24 @@ def _line(model: Model, name: str, budget: int, result: dict[str, Any]) -> str:
 
 
 def run_model(
-  model: Model, cost_model: Any, rounds: int, measure: float, quick: bool
+  model: Model,
+  cost_model: Any,
+  rounds: int,
+  measure: float,
+  quick: bool,
+  shares: dict[str, float] | None = None,
 ) -> dict[str, Any]:
   """One model's grid, and the search at three budgets, by the model and timed.
 
-  `--quick` (CI's run, where only that the code runs matters) searches the
-  LM and the contrastive loss at the generous budget alone, and times
-  (`measure=`) those two there only.
+  `shares` name the budgets (default: `BUDGET_SHARES`). `--quick` (CI's
+  run, where only that the code runs matters) searches the LM and the
+  contrastive loss at the generous budget alone, and times (`measure=`)
+  those two there only.
   """
   grid_start = time.perf_counter()
   rows = measure_grid(model, cost_model, rounds)
   grid_s = time.perf_counter() - grid_start
-  shares = BUDGET_SHARES
+  shares = shares or BUDGET_SHARES
   if quick and model.name not in ("mlp", "cnn"):
     shares = {"generous": BUDGET_SHARES["generous"]}
   searches, measured, by_model, by_clock = {}, {}, {}, {}
