@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jaccum import _peak, _timing
 from jaccum._accumulate import accumulate
@@ -792,13 +793,18 @@ def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Poi
   timer: _timing.Timer[Point] = _timing.Timer(
     seconds, max(search.compile_seconds, default=0.0)
   )
+  # NumPy arrays on the device once, not copied there in every timed call.
+  args = jax.tree.map(
+    lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf,
+    list(search.args),
+  )
 
   def enter(points: list[Point]) -> list[Point]:
     _compile_within(search, timer, points)
     entered = []
     for point in points:
       if point in search.points and search.points[point].fits:
-        run = functools.partial(search.executables[point], *search.args)
+        run = functools.partial(search.executables[point], *args)
         if timer.add(point, run, search.points[point].predicted_seconds):
           entered.append(point)
     return entered
@@ -810,7 +816,8 @@ def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Poi
     if not new:
       break
     tried.update(new)
-    timer.race([incumbent, *enter(new)], MEASURE_ROUNDS)
+    if entered := enter(new):
+      timer.race([incumbent, *entered], MEASURE_ROUNDS)
   return timer
 
 
