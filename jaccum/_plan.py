@@ -21,16 +21,16 @@ compilations where the monotony holds.
 
 The cost model is blind to what a backend's kernels do with the size of a
 micro-batch (caches, kernel choice, per-kernel overhead). With `measure=`,
-the step is then timed on the device: the model's best point at a spread of
-K, then the neighbours of the fastest measured, in interleaved rounds within
-a time bound (`_timing`), and the plan is the fastest measured.
+the step is then timed on the device: points spread over the grid among
+those the model ranks near its choice, then the neighbours of the fastest
+measured, in interleaved rounds within a time bound (`_timing`), and the
+plan is the fastest measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -69,11 +69,11 @@ __all__ = ["CostModel", "Plan", "PlanPoint", "Remat", "fit_plan"]
 DEFAULT_POLICIES = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")
 # Predicted times within this share of the fastest count as equal.
 TIE = 0.02
-# With measure=: the K timed first are those whose best point the model puts
-# within this factor of its choice (it is off by more than its tie where
-# kernels speed up or slow down with the micro-batch), at most MEASURE_SPREAD
-# of them, spread over the grid; each group of steps is timed for
-# MEASURE_ROUNDS interleaved rounds.
+# With measure=: the points timed first are those the model puts within this
+# factor of its choice (it is off by more than its tie where kernels speed up
+# or slow down with the micro-batch), at most MEASURE_SPREAD of them, spread
+# over the grid; each group of steps is timed for MEASURE_ROUNDS interleaved
+# rounds.
 MEASURE_WITHIN = 2.0
 MEASURE_SPREAD = 6
 MEASURE_ROUNDS = 3
@@ -703,15 +703,6 @@ def _estimate(search: _Search, point: Point) -> float:
   return known.predicted_seconds if known else search.bound(point)
 
 
-def _model_best_at(search: _Search, i: int) -> Point | None:
-  """The point at `search.ks[i]` the model ranks first of those that may fit.
-
-  Compiled, it fits (it is not over budget); not yet, its bound ranks it.
-  """
-  at_k = [p for p in search.grid if p[2] == i and not search.over_implied(p)]
-  return min(at_k, key=lambda p: (_estimate(search, p), _lightness(p)), default=None)
-
-
 def _compile_within(
   search: _Search, timer: _timing.Timer[Point], points: Iterable[Point]
 ) -> bool:
@@ -730,42 +721,47 @@ def _compile_within(
 def _first_points(
   search: _Search, timer: _timing.Timer[Point], best: Point
 ) -> list[Point]:
-  """The model's best fitting point at each K of `_spread`, compiled.
+  """The points of `_spread`, compiled and fitting.
 
-  Where the one the model ranks first at a K turns out over the budget, the
-  next is compiled, until one fits, none is left, or the time is out.
+  One that turns out over the budget is replaced by the next spread, until
+  all fit, none is left, or the time is out.
   """
-  spread = _spread(search, best)
   while True:
-    wanted = [p for i in spread if (p := _model_best_at(search, i)) is not None]
+    wanted = _spread(search, best)
     if all(p in search.points for p in wanted):
       return wanted
     if not _compile_within(search, timer, wanted):
       return [p for p in wanted if p in search.points and search.points[p].fits]
 
 
-def _spread(search: _Search, best: Point) -> list[int]:
-  """The K (indices) to time first, the model's choice's first.
+def _spread(search: _Search, best: Point) -> list[Point]:
+  """The points to time first, the model's choice first.
 
-  Those whose best point the model puts within MEASURE_WITHIN of its
-  choice, at most MEASURE_SPREAD of them, each next the farthest from those
-  already picked (then the faster): they span the grid's K, where the model
-  is most often wrong.
+  Of those that may fit and that the model puts within MEASURE_WITHIN of its
+  choice, at most MEASURE_SPREAD, each next the farthest from those already
+  picked over the grid's levers (K, policy, mode, each scaled to one), the
+  faster of equals first: they span the grid, since where the model is
+  wrong (caches, per-kernel costs, recompute XLA drops) it is wrong along
+  a lever, not at a point.
   """
   limit = search.points[best].predicted_seconds * MEASURE_WITHIN
-  lowest = {
-    i: min(
-      (_estimate(search, p) for p in search.grid
-       if p[2] == i and not search.over_implied(p)),
-      default=math.inf,
-    )
-    for i in range(len(search.ks))
-  }  # fmt: skip
-  near = [i for i, seconds in lowest.items() if seconds <= limit]
-  picked = [best[2]]
-  while len(picked) < MEASURE_SPREAD and (rest := [i for i in near if i not in picked]):
+  near = [
+    p
+    for p in search.grid
+    if not search.over_implied(p) and _estimate(search, p) <= limit
+  ]
+  sizes = (len(search.modes), len(search.remats), len(search.ks))
+
+  def distance(a: Point, b: Point) -> float:
+    return sum(abs(x - y) / max(n - 1, 1) for x, y, n in zip(a, b, sizes, strict=True))
+
+  picked = [best]
+  while len(picked) < MEASURE_SPREAD and (rest := [p for p in near if p not in picked]):
     picked.append(
-      max(rest, key=lambda i: (min(abs(i - j) for j in picked), -lowest[i]))
+      max(
+        rest,
+        key=lambda p: (min(distance(p, q) for q in picked), -_estimate(search, p)),
+      )
     )
   return picked
 
@@ -783,10 +779,10 @@ def _neighbours(search: _Search, point: Point) -> list[Point]:
 
 
 def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Point]:
-  """Times the model's best points, then the fastest's neighbours, in a bound.
+  """Times points near the model's choice, then the fastest's neighbours.
 
-  First the model's best point at each K of `_spread`, then, while time
-  is left and the fastest measured changes, its neighbours beside it; each
+  First the points of `_spread`, then, while time is left and the fastest
+  measured changes, its neighbours beside it; each
   group for MEASURE_ROUNDS interleaved rounds. A point not yet compiled is
   compiled first (within the bound); one over the budget is never run.
   """
@@ -912,8 +908,10 @@ def fit_plan(
       (small programs of its own, never the step).
     measure: a time bound in seconds to time steps on the device and choose
       by the clock, or None (the default) to choose by the cost model
-      alone. It times the model's best point at a spread of K (those it
-      predicts within 2x of its choice, at most 6), then the neighbours of
+      alone. It times points spread over the grid (K, policy, mode) among
+      those the model predicts within 2x of its choice (at most 6, its
+      choice first, each next the farthest from those picked), then the
+      neighbours of
       the fastest measured (the next K either way, the other policies and
       modes at its K) while that changes, in interleaved rounds (3 per
       group, the median counts), compiling those the search had not; it
