@@ -415,8 +415,11 @@ def test_measure_chooses_the_fastest_it_timed_and_shows_both_figures():
     measure=60.0,
   )  # fmt: skip
   timed = {key: p for key, p in plan.tried.items() if p.measured_seconds is not None}
-  # The model's choice and the spread of K first, then the neighbours.
-  assert len(timed) >= 3
+  # The model's choice and points spread over K and the policy first (the
+  # model puts the whole grid within 2x of its choice), then the neighbours.
+  assert model_only.tried[plan.model_choice].measured_seconds is None
+  assert plan.model_choice in timed
+  assert len({k for k, _, _ in timed}) == 3 and len({r for _, r, _ in timed}) == 3
   for point in timed.values():
     assert point.fits
     assert point.measured_seconds == np.median(point.round_seconds)
