@@ -20,7 +20,8 @@ one device,
   micro-batch (a micro-step's cost quadratic in its rows), cross-entropy on
   the diagonal; accumulated, each micro-batch's rows are each other's
   negatives, so every K computes its own loss (the reference at K is the
-  mean over the K strided micro-batches, computed without jaccum);
+  mean over the K strided micro-batches, computed without jaccum; at one
+  row per micro-batch the loss is 0, a row its own only candidate);
 
 it compiles and times every point of the grid: `fit_plan`'s default policies
 × the K candidates (every divisor of the batch for the LM and the
