@@ -77,6 +77,9 @@ TIE = 0.02
 MEASURE_WITHIN = 2.0
 MEASURE_SPREAD = 6
 MEASURE_ROUNDS = 3
+# Then those measured within this share of the fastest race again, for twice
+# as many rounds.
+MEASURE_CLOSE = 0.1
 
 # A point of the grid: indices of its FSDP mode, policy and K.
 Point = tuple[int, int, int]
@@ -814,7 +817,23 @@ def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Poi
     tried.update(new)
     if entered := enter(new):
       timer.race([incumbent, *entered], MEASURE_ROUNDS)
+  _final_race(timer)
   return timer
+
+
+def _final_race(timer: _timing.Timer[Point]) -> None:
+  """More rounds, side by side, for those within MEASURE_CLOSE of the fastest.
+
+  A choice between near-equals should not rest on a few rounds each, timed
+  in groups under whatever load each group met.
+  """
+  medians = {p: m for p in timer.rounds if (m := timer.median(p)) is not None}
+  if not medians:
+    return
+  limit = min(medians.values()) * (1 + MEASURE_CLOSE)
+  close = [p for p, median in medians.items() if median <= limit]
+  if len(close) > 1:
+    timer.race(close, 2 * MEASURE_ROUNDS)
 
 
 def _plan_of(
@@ -914,7 +933,8 @@ def fit_plan(
       neighbours of
       the fastest measured (the next K either way, the other policies and
       modes at its K) while that changes, in interleaved rounds (3 per
-      group, the median counts), compiling those the search had not; it
+      group, then 6 more for those within 10% of the fastest, the median of
+      all counts), compiling those the search had not; it
       starts nothing that the time left does not cover (see `Plan` for what
       it spent), and chooses the least median timed. The default runs
       nothing, because choosing by the clock costs what the model's choice
@@ -993,5 +1013,5 @@ def fit_plan(
   if best is None:
     raise _nothing_fits(search)
   timer = None if seconds is None else _measured(search, best, seconds)
-  chosen = (timer.fastest() if timer else None) or best
-  return _plan_of(search, chosen, best, timer)  # type: ignore[arg-type]
+  fastest = timer.fastest() if timer else None
+  return _plan_of(search, fastest or best, best, timer)
