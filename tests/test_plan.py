@@ -4,7 +4,10 @@ The reference is the whole grid, compiled here point by point: each point's
 peak from `compiled.memory_analysis()` of a step these tests jit themselves,
 and its predicted time from the same cost model. The plan must fit, be the
 grid's fastest fitting point (within the model's tie of 2%, so within the
-issue's 5%), and be found with a third of the grid's compilations or fewer.
+issue's 5%), and be found with a third of the grid's compilations or fewer;
+on a loss quadratic in the rows too, each K lowered here at its own size.
+With `measure=`, the plan must be the fastest of the timings it reports; the
+timer's bound is checked with a fake clock, never against the wall clock.
 """
 
 import functools
