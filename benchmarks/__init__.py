@@ -27,10 +27,12 @@ Parts, run in this order (`--parts` picks some):
 * `pipeline` (`pipeline.py`, its own process): `jaccum.pipeline`'s schedules
   on 4 simulated CPU devices: temporaries against K, FLOPs per tick, the
   bubble with interleaved stages, the head's FLOPs.
-* `plan` (`plan.py`): `jaccum.fit_plan`'s choice of K and remat policy
-  against every point of its grid, timed, on an MLP and a digits-sized CNN at
-  three budgets each: the choice's rank, its time against the grid's best and
-  against full remat at the smallest K that fits, and the compilations.
+* `plan` (`plan.py`): `jaccum.fit_plan`'s choice of K and remat policy,
+  by its cost model and with `measure=`, against every point of its grid,
+  timed, on an MLP, a digits-sized CNN, a transformer LM and an in-batch
+  contrastive loss at three budgets each: the choice's rank, its time
+  against the grid's best and against full remat at the smallest K that
+  fits, and the compilations.
 * `coupled` (`coupled.py`): `jaccum.accumulate_coupled` on a CLIP loss over
   two activation-dominated towers against the whole batch and GradCache
   written by hand, K = 2 … 64: temporaries and step time.
@@ -47,7 +49,12 @@ Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`
 * `python -m benchmarks.pipeline`: the suite's `pipeline` part on its own,
   writing `results/pipeline.json` and `pipeline.md`;
 * `python -m benchmarks.num_real`: a traced number of real micro-batches
-  against a static K of that number.
+  against a static K of that number;
+* `bash benchmarks/gpu.sh` (`gpu.py`): the GPU check, one command under 8
+  minutes on one GPU: accumulate against the whole batch and
+  `optax.microbatch` (MLP, CNN, LM at K = 1, 4, 8, 16), `fit_plan` against a
+  timed grid, and the overlap of the reduction on several GPUs; writes
+  `results/gpu.md`.
 
 Importing this package starts nothing: JAX is configured by the part that
 runs, so the distributed part can set its device count in its own process.

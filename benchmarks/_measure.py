@@ -29,7 +29,8 @@ def nbytes(tree: Any) -> int:
 
 
 def relative_difference(actual: Any, expected: Any) -> float:
-  """max |actual - expected| / max |expected| over all leaves together."""
+  """max |actual - expected| / max |expected| over all leaves together (the
+  absolute difference where everything expected is 0)."""
   actual, expected = jax.tree.leaves(actual), jax.tree.leaves(expected)
   assert len(actual) == len(expected), (len(actual), len(expected))
   diff = max(
@@ -37,7 +38,7 @@ def relative_difference(actual: Any, expected: Any) -> float:
     for a, e in zip(actual, expected, strict=True)
   )
   scale = max(float(np.max(np.abs(e))) for e in expected)
-  return diff / scale
+  return diff / scale if scale else diff
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ method) and of the convolution part.
   panel per family, a bar per variant and K, log scale;
 * `fsdp.png`: the fsdp part's temporaries per device against the params' size;
 * `plan.png`: the plan part's predicted against measured step time, a panel
-  per model, a point per grid point, the chosen plans ringed.
+  per model, a point per grid point, the plans chosen by the model ringed
+  and those chosen with `measure=` boxed.
 
 Every figure names the machine, the versions and the date underneath.
 """
@@ -242,17 +243,23 @@ def plot_plan(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
       linewidth=1,
       label=f"measured = {scale:.2g} × predicted",
     )
-    chosen = {tuple(b["chosen"]) for b in model["budgets"].values()}
-    picked = [r for r in rows if (r["num_microbatches"], r["remat"]) in chosen]
-    ax.scatter(
-      [r["predicted_s"] * 1e3 for r in picked],
-      [r["step_s"] * 1e3 for r in picked],
-      s=160,
-      facecolors="none",
-      edgecolors="black",
-      label="chosen at a budget",
-      zorder=4,
-    )
+    for key, marker, size, label in (
+      ("budgets", "o", 160, "chosen at a budget, by the model"),
+      ("measured", "s", 260, "chosen at a budget, with measure="),
+    ):
+      chosen = {tuple(b["chosen"]) for b in model.get(key, {}).values()}
+      picked = [r for r in rows if (r["num_microbatches"], r["remat"]) in chosen]
+      if picked:
+        ax.scatter(
+          [r["predicted_s"] * 1e3 for r in picked],
+          [r["step_s"] * 1e3 for r in picked],
+          s=size,
+          marker=marker,
+          facecolors="none",
+          edgecolors="black",
+          label=label,
+          zorder=4,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):
@@ -263,7 +270,8 @@ def plot_plan(record: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     ax.set_ylabel("measured step time (ms, median)")
     ax.set_title(
       textwrap.fill(model["description"], 64)
-      + f"\nbatch {model['batch_size']}; rank correlation {model['spearman']:.2f}",
+      + f"\nbatch {model['batch_size']}; rank correlation "
+      + ("–" if model["spearman"] is None else f"{model['spearman']:.2f}"),
       fontsize=9,
     )
     ax.grid(True, which="both", alpha=0.3)

@@ -84,18 +84,27 @@ def first_steps(
     return {name: future.result() for name, future in futures.items()}
 
 
-def run_model(name: str, quick: bool, rounds: int) -> dict[str, Any]:
-  """Rows for one model, one per (K, method)."""
+def run_model(
+  name: str,
+  quick: bool,
+  rounds: int,
+  ks: tuple[int, ...] | None = None,
+  method_names: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+  """Rows for one model, one per (K, method).
+
+  `ks` and `method_names` default to the model's own (`models.Spec`).
+  """
   spec = models.MODELS[name]
   model = models.build(name, quick)
   tx = optax.adam(1e-3)
   batch_size = jax.tree.leaves(model.batch)[0].shape[0]
 
   rows = []
-  for num_microbatches in spec.quick_ks if quick else spec.ks:
+  for num_microbatches in ks or (spec.quick_ks if quick else spec.ks):
     # Every method is built afresh at every K, those that do not depend on K
     # too: their first steps then meet the same load as the others'.
-    wanted = (quick and spec.quick_methods) or tuple(methods.METHODS)
+    wanted = method_names or (quick and spec.quick_methods) or tuple(methods.METHODS)
     built = {
       method_name: method
       for method_name, make in methods.METHODS.items()

@@ -7,40 +7,56 @@ trades memory for bytes on the wire. The fastest plan that fits is often a
 light policy at a larger K, not full remat at the smallest.
 
 The search is a branch and bound over the grid of (mode, policy, K). Each
-point's compute is known cheaply, from XLA's cost analysis of the lowered
-micro-step (no compilation); it bounds the point's time from below. Memory
-needs a compilation, and it is monotone: it falls as K grows, as the policy
-gets heavier and as the mode shards more. So one point over budget rules out
-every point lighter in all three, and one that fits rules out every point
-whose bound is slower (the bound adds the bytes on the wire that its mode
-was seen to send at a smaller K: a mode never sends fewer as K grows). The
-search compiles the point with the fastest bound, then the median of what is
-left in order of the bound, until nothing is left: it finds the grid's best
-point under the cost model, with a few of its compilations where the
-monotony holds.
+point's compute is known cheaply, from XLA's cost analysis of the micro-step
+lowered at that point's K (no compilation); it bounds the point's time from
+below. Memory needs a compilation, and it is monotone: it falls as K grows,
+as the policy gets heavier and as the mode shards more. So one point over
+budget rules out every point lighter in all three, and one that fits rules
+out every point whose bound is slower (the bound adds the bytes on the wire
+that its mode was seen to send at a smaller K: a mode never sends fewer as
+K grows). The search compiles the point with the fastest bound, then the
+median of what is left in order of the bound, until nothing is left: it
+finds the grid's best point under the cost model, with a few of its
+compilations where the monotony holds.
+
+The cost model is blind to what a backend's kernels do with the size of a
+micro-batch (caches, kernel choice, per-kernel overhead). With `measure=`,
+the step is then timed on the device: points spread over the grid among
+those the model ranks near its choice, then the neighbours of the fastest
+measured, in interleaved rounds within a time bound (`_timing`), and the
+plan is the fastest measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import functools
+import numbers
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
-import jax.core
-import jax.numpy as jnp
 import numpy as np
 
+from jaccum import _peak, _timing
 from jaccum._accumulate import accumulate
+from jaccum._cost import (
+  CostModel,
+  batch_argnum_set,
+  cost,
+  micro_args,
+  step_compute,
+)
 from jaccum._fit import (
   _PARALLEL_OPTIONS,
   _batch_size,
   _budget_bytes,
   _format_bytes,
-  _is_int,
-  _peak,
   _prepare,
+)
+from jaccum._fit import (
+  _peak as _peak_bytes,
 )
 from jaccum._parallel import FSDP_MODES, data_parallel
 
@@ -53,6 +69,22 @@ __all__ = ["CostModel", "Plan", "PlanPoint", "Remat", "fit_plan"]
 DEFAULT_POLICIES = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")
 # Predicted times within this share of the fastest count as equal.
 TIE = 0.02
+# With measure=: the points timed first are those the model puts within this
+# factor of its choice (it is off by more than its tie where kernels speed up
+# or slow down with the micro-batch), at most MEASURE_SPREAD of them, spread
+# over the grid; each group of steps is timed for MEASURE_ROUNDS interleaved
+# rounds.
+MEASURE_WITHIN = 2.0
+MEASURE_SPREAD = 6
+MEASURE_ROUNDS = 3
+# Then those measured within this share of the fastest race again, for twice
+# as many rounds.
+MEASURE_CLOSE = 0.1
+
+# A point of the grid: indices of its FSDP mode, policy and K.
+Point = tuple[int, int, int]
+# A point by its values: (K, policy name, FSDP mode).
+Key = tuple[int, str | None, str | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,183 +150,6 @@ def _remat(entry: Any) -> Remat:
   )
 
 
-class CostModel(NamedTuple):
-  """The time a step is predicted to take, from XLA's cost figures.
-
-  A step of K micro-steps, each of `flops` and `bytes_accessed` (XLA's cost
-  analysis of the lowered micro-step, its scans unrolled so that every layer
-  counts: the FLOPs with the policy's recompute, the bytes without remat,
-  which changes what is recomputed, not what is read), moving
-  `wire_bytes` between devices, is predicted to take
-
-      K · (flops / flops_per_second + bytes_accessed / bytes_per_second
-           + seconds_per_microbatch) + wire_bytes / wire_bytes_per_second
-
-  Compute and memory traffic add rather than overlap, which overstates both
-  a little and ranks plans the same; the wire is not overlapped either.
-  `CostModel.calibrate()` measures the four constants on this backend with
-  small programs of its own (a matmul, an elementwise pass, jaccum's loop
-  over micro-steps of no work, and a `psum`), in a second or two;
-  `CostModel.default()` gives rough figures per platform, enough to rank
-  plans that differ by much.
-
-  Attributes:
-    flops_per_second: compute throughput.
-    bytes_per_second: memory throughput, in XLA's `bytes accessed`.
-    wire_bytes_per_second: bytes a collective moves per second per device
-      (an all-reduce is counted twice: reduce-scatter and all-gather).
-    seconds_per_microbatch: the loop's overhead per micro-step.
-
-  Examples:
-    >>> import jaccum
-    >>> model = jaccum.CostModel(1e9, 1e9, 1e8, 1e-5)
-    >>> model.seconds(num_microbatches=4, flops=1e6, bytes_accessed=1e6,
-    ...               wire_bytes=1e6)  # 4 · (1 + 1 + 0.01) ms + 10 ms
-    0.01804
-    >>> model.compute_seconds(4, flops=1e6, bytes_accessed=1e6)  # no wire
-    0.00804
-    >>> jaccum.CostModel.default("cpu").flops_per_second > 0
-    True
-    >>> measured = jaccum.CostModel.calibrate()  # this backend's constants
-    >>> all(value > 0 for value in measured)
-    True
-  """
-
-  flops_per_second: float
-  bytes_per_second: float
-  wire_bytes_per_second: float
-  seconds_per_microbatch: float
-
-  def compute_seconds(
-    self, num_microbatches: int, flops: float, bytes_accessed: float
-  ) -> float:
-    """The K micro-steps' time, without the wire: a lower bound of `seconds`."""
-    per_step = (
-      flops / self.flops_per_second
-      + bytes_accessed / self.bytes_per_second
-      + self.seconds_per_microbatch
-    )
-    return num_microbatches * per_step
-
-  def seconds(
-    self,
-    num_microbatches: int,
-    flops: float,
-    bytes_accessed: float,
-    wire_bytes: float,
-  ) -> float:
-    """The predicted time of a step (see the class)."""
-    compute = self.compute_seconds(num_microbatches, flops, bytes_accessed)
-    return round(compute + wire_bytes / self.wire_bytes_per_second, 12)
-
-  @classmethod
-  def default(cls, platform: str | None = None) -> CostModel:
-    """Rough constants for a platform ("cpu", "gpu", "tpu"), the default one's."""
-    platform = platform or jax.default_backend()
-    return {
-      "cpu": cls(5e10, 2e10, 5e9, 5e-6),
-      "gpu": cls(5e13, 2e12, 1e11, 1e-5),
-      "tpu": cls(1e14, 1e12, 5e10, 1e-5),
-    }.get(platform, cls(5e10, 2e10, 5e9, 5e-6))
-
-  @classmethod
-  def calibrate(cls) -> CostModel:
-    """The four constants measured on the default backend (a second or two)."""
-    x = jnp.ones((1024, 1024), jnp.float32)
-    flops_ps = _throughput(lambda a: a @ a, x, "flops")
-    y = jnp.ones((1 << 26,), jnp.float32)  # 256 MiB: more than any cache
-    bytes_ps = _throughput(lambda a: a * 2.0 + 1.0, y, "bytes accessed")
-
-    # jaccum's own loop over a micro-step of next to no work: 4096 micro-steps
-    # against one, the difference is the loop's cost per micro-step. (A real
-    # micro-step's kernels each cost more: at least a microsecond is taken.)
-    from jaccum._accumulate import accumulate
-
-    def tiny(w: jax.Array, x: jax.Array) -> jax.Array:
-      return jnp.tanh(x @ w).sum(0)
-
-    w, rows = jnp.ones((8, 8), jnp.float32), jnp.ones((4096, 8), jnp.float32)
-    many = _seconds(jax.jit(accumulate(tiny, 4096)), w, rows)
-    one = _seconds(jax.jit(accumulate(tiny, 1)), w, rows)
-    per_iteration = max(many - one, 1e-6 * 4095) / 4095
-    wire_ps = cls.default().wire_bytes_per_second
-    if jax.device_count() > 1:
-      mesh = jax.make_mesh(
-        (jax.device_count(),), ("d",), axis_types=(jax.sharding.AxisType.Explicit,)
-      )
-      psum = jax.jit(
-        jax.shard_map(
-          lambda a: jax.lax.psum(a, "d"),
-          mesh=mesh,
-          in_specs=jax.P("d"),
-          out_specs=jax.P("d"),
-        )
-      )
-      z = jax.device_put(
-        jnp.ones((jax.device_count() << 20,), jnp.float32),
-        jax.NamedSharding(mesh, jax.P("d")),
-      )
-      wire_ps = 2 * 4 * (1 << 20) / _seconds(psum, z)
-    return cls(flops_ps, bytes_ps, wire_ps, per_iteration)
-
-
-def _seconds(fn: Callable[..., Any], *args: Any) -> float:
-  """The median of a few timed runs after a warm-up one."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(5):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
-def _throughput(fn: Callable[..., Any], x: jax.Array, figure: str) -> float:
-  jitted = jax.jit(fn)
-  amount = _cost(jitted.lower(x))[figure]
-  return amount / _seconds(jitted, x)
-
-
-# Scans longer than this stay rolled in the cost analysis (counted once).
-MAX_UNROLL = 256
-
-
-def _unrolled(closed: Any) -> Any:
-  """`closed` with its scans unrolled, so that XLA's cost analysis, which
-  counts a loop's body once, counts every iteration (stacked layers)."""
-  from jaccum._jaxpr import rewrite_eqns
-
-  def unroll(eqn: Any) -> list[Any] | None:
-    if eqn.primitive.name != "scan" or not 1 < eqn.params["length"] <= MAX_UNROLL:
-      return None
-    body = rewrite_eqns(eqn.params["jaxpr"], unroll)
-    params = {**eqn.params, "jaxpr": body, "unroll": eqn.params["length"]}
-    return [eqn.replace(params=params)]
-
-  return rewrite_eqns(closed, unroll)
-
-
-def _step_cost(grad_fn: Callable[..., Any], args: Sequence[Any]) -> dict[str, float]:
-  """XLA's cost analysis of `grad_fn` lowered for `args`, its scans unrolled."""
-  closed = _unrolled(jax.make_jaxpr(grad_fn)(*args))
-
-  def run(*flat: Any) -> list[Any]:
-    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
-
-  return _cost(jax.jit(run).lower(*jax.tree.leaves(args)))
-
-
-def _cost(lowered: Any) -> dict[str, float]:
-  """XLA's cost analysis of a lowered program: flops and bytes accessed."""
-  analysis = lowered.cost_analysis() or {}
-  if isinstance(analysis, list | tuple):  # Older JAX: one dict per device.
-    analysis = analysis[0] if analysis else {}
-  return {
-    "flops": float(analysis.get("flops", 0.0)),
-    "bytes accessed": float(analysis.get("bytes accessed", 0.0)),
-  }
-
-
 class PlanPoint(NamedTuple):
   """One configuration `fit_plan` compiled, with its figures.
 
@@ -312,6 +167,9 @@ class PlanPoint(NamedTuple):
     fits: whether `peak_bytes` is within the budget.
     order: 1 for the first configuration compiled, and so on.
     stats: XLA's memory figures behind `peak_bytes`.
+    measured_seconds: with `measure=`, the median of its timed rounds on
+      the device; None where it was not timed.
+    round_seconds: the seconds of each of its timed rounds.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaccum
@@ -321,6 +179,8 @@ class PlanPoint(NamedTuple):
     >>> point = next(iter(plan.tried.values()))
     >>> point.num_microbatches, point.order, point.fits, point.wire_bytes
     (1, 1, True, 0)
+    >>> point.measured_seconds is None  # Not timed: no measure=.
+    True
   """
 
   num_microbatches: int
@@ -334,6 +194,8 @@ class PlanPoint(NamedTuple):
   fits: bool
   order: int
   stats: MemoryStats
+  measured_seconds: float | None = None
+  round_seconds: tuple[float, ...] = ()
 
 
 class Plan(NamedTuple):
@@ -356,6 +218,13 @@ class Plan(NamedTuple):
     policy: the chosen `Remat`.
     options: the options of `accumulate` or `data_parallel` the step gets
       (`fsdp_mode` included where one was chosen).
+    measured_seconds: with `measure=`, the chosen step's median measured
+      time (None without, or where nothing could be timed in the bound).
+    measure_seconds: the time bound given as `measure=`, or None.
+    measure_spent_seconds: the time measuring took (compiling the points it
+      timed that the search had not compiled, and running them).
+    model_choice: `(K, remat, fsdp_mode)` that the cost model chose, before
+      any measurement.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaccum
@@ -377,12 +246,16 @@ class Plan(NamedTuple):
   fsdp_mode: str | None
   peak_bytes: int
   predicted_seconds: float
-  tried: dict[tuple[int, str | None, str | None], PlanPoint]
+  tried: dict[Key, PlanPoint]
   memory_budget: int
   grid_size: int
   cost_model: CostModel
   policy: Remat
   options: dict[str, Any]
+  measured_seconds: float | None = None
+  measure_seconds: float | None = None
+  measure_spent_seconds: float | None = None
+  model_choice: Key | None = None
 
   def step(self, make_grad_fn: Callable[[Remat], Callable[..., Any]]) -> Any:
     """The accumulated function of this plan: K, policy and mode applied.
@@ -400,27 +273,62 @@ class Plan(NamedTuple):
 
   def __str__(self) -> str:
     share = self.peak_bytes / self.memory_budget
-    mode = f", fsdp_mode={self.fsdp_mode}" if self.fsdp_mode else ""
+    chosen = (self.num_microbatches, self.remat, self.fsdp_mode)
+    measured = (
+      ""
+      if self.measured_seconds is None
+      else f", measured {_ms(self.measured_seconds)}"
+    )
     head = (
       f"memory budget {_format_bytes(self.memory_budget)} per device: "
-      f"K={self.num_microbatches}, remat={self.remat}{mode}, peak "
-      f"{_format_bytes(self.peak_bytes)} ({share:.1%} of the budget), predicted "
-      f"{self.predicted_seconds * 1e3:.3g} ms per step; compiled "
-      f"{len(self.tried)} of {self.grid_size} configurations"
+      f"{_describe(chosen)}, peak {_format_bytes(self.peak_bytes)} "
+      f"({share:.1%} of the budget), predicted {_ms(self.predicted_seconds)}"
+      f"{measured} per step; compiled {len(self.tried)} of {self.grid_size} "
+      "configurations"
     )
-    return head + "\n" + _table(self)
+    return head + self._measure_line() + "\n" + _table(self.tried, chosen)
+
+  def _measure_line(self) -> str:
+    if self.measure_seconds is None:
+      return ""
+    timed = [p for p in self.tried.values() if p.measured_seconds is not None]
+    line = (
+      f"; timed {len(timed)} on the device in interleaved rounds, "
+      f"{self.measure_spent_seconds or 0:.3g} s of a {self.measure_seconds:g} s "
+      "bound"
+    )
+    if not timed:
+      return line + ": none could be timed in it, so the cost model's choice stands"
+    model = self.model_choice
+    if model is None or model == (self.num_microbatches, self.remat, self.fsdp_mode):
+      return line + "; the cost model chose the same"
+    other = self.tried[model].measured_seconds
+    return f"{line}; the cost model chose {_describe(model)}" + (
+      "" if other is None else f", measured {_ms(other)}"
+    )
 
 
-def _table(plan: Plan) -> str:
-  modes = any(p.fsdp_mode for p in plan.tried.values())
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.3g} ms"
+
+
+def _describe(key: Key) -> str:
+  k, remat, mode = key
+  return f"K={k}, remat={remat}" + (f", fsdp_mode={mode}" if mode else "")
+
+
+def _table(tried: dict[Key, PlanPoint], chosen: Key | None) -> str:
+  modes = any(p.fsdp_mode for p in tried.values())
+  measured = any(p.measured_seconds is not None for p in tried.values())
   rows: list[tuple[str, ...]] = [
     ("K", "remat", *(("fsdp_mode",) if modes else ()), "order", "peak",
-     "GFLOPs", "bytes", "wire", "predicted", "")
+     "GFLOPs", "bytes", "wire", "predicted", *(("measured",) if measured else ()),
+     "")
   ]  # fmt: skip
-  chosen = (plan.num_microbatches, plan.remat, plan.fsdp_mode)
-  for key in sorted(plan.tried, key=lambda k: (str(k[2]), _rank(k[1]), k[0])):
-    p = plan.tried[key]
+  for key in sorted(tried, key=lambda k: (str(k[2]), _rank(k[1]), k[0])):
+    p = tried[key]
     verdict = "chosen" if key == chosen else "fits" if p.fits else "over"
+    timed = "–" if p.measured_seconds is None else _ms(p.measured_seconds)
     rows.append(
       (
         str(p.num_microbatches),
@@ -431,7 +339,8 @@ def _table(plan: Plan) -> str:
         f"{p.flops / 1e9:.3g}",
         _format_bytes(int(p.bytes_accessed)),
         "?" if p.wire_bytes is None else _format_bytes(p.wire_bytes),
-        f"{p.predicted_seconds * 1e3:.3g} ms",
+        _ms(p.predicted_seconds),
+        *((timed,) if measured else ()),
         verdict,
       )
     )
@@ -448,27 +357,6 @@ def _rank(name: str | None) -> tuple[int, str]:
   return (len(DEFAULT_POLICIES), str(name))
 
 
-def _micro_args(
-  args: Sequence[Any], batch_argnums: Any, rows: int
-) -> list[jax.ShapeDtypeStruct | Any]:
-  """Shapes of one device's micro-step: the batch cut to `rows`, all unsharded."""
-  argnums = {batch_argnums} if _is_int(batch_argnums) else set(batch_argnums)
-  argnums = {a % len(args) for a in argnums}
-
-  def shape(leaf: Any, batch: bool) -> Any:
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-      return leaf
-    dims = tuple(leaf.shape)
-    if batch and dims:
-      dims = (rows, *dims[1:])
-    return jax.ShapeDtypeStruct(dims, leaf.dtype)
-
-  return [
-    jax.tree.map(lambda leaf, b=(i in argnums): shape(leaf, b), arg)
-    for i, arg in enumerate(args)
-  ]
-
-
 def _wire_bytes(compiled: Any) -> int | None:
   from jaccum.inspect import _count_collectives  # Loaded on first use.
 
@@ -482,6 +370,509 @@ def _wire_bytes(compiled: Any) -> int | None:
   return total
 
 
+@dataclasses.dataclass
+class _Search:
+  """The grid of (mode, policy, K), what is known of its points, the search.
+
+  Attributes:
+    modes, remats, ks: the levers' values, lightest first (K smallest).
+    grad_fns: `{policy name: grad_fn}`.
+    compute: `{(policy name, K): (FLOPs, bytes)}` of the step, None where
+      the micro-step could not be lowered alone.
+    transform: `accumulate` or `data_parallel`; options: its options.
+    args: the step's arguments; batch_argnums: theirs; shards: devices the
+      batch is split over; rows_per_device: its rows on each.
+    budget: bytes per device; cost_model: the predictions' constants.
+    points: `{point: PlanPoint}` compiled, in order; executables: theirs.
+    compile_seconds: how long each compilation took.
+  """
+
+  modes: list[str | None]
+  remats: list[Remat]
+  ks: list[int]
+  grad_fns: dict[str | None, Callable[..., Any]]
+  compute: dict[tuple[str | None, int], tuple[float, float] | None]
+  transform: Callable[..., Any]
+  options: dict[str, Any]
+  args: Sequence[Any]
+  batch_argnums: Any
+  shards: int
+  rows_per_device: int
+  budget: int
+  cost_model: CostModel
+  points: dict[Point, PlanPoint] = dataclasses.field(default_factory=dict)
+  executables: dict[Point, Any] = dataclasses.field(default_factory=dict)
+  compile_seconds: list[float] = dataclasses.field(default_factory=list)
+
+  @property
+  def grid(self) -> list[Point]:
+    return [(m, j, i) for m in range(len(self.modes))
+            for j in range(len(self.remats)) for i in range(len(self.ks))]  # fmt: skip
+
+  def key(self, point: Point) -> Key:
+    m, j, i = point
+    return (self.ks[i], self.remats[j].name, self.modes[m])
+
+  def bound(self, point: Point) -> float:
+    """A lower bound of the point's predicted time, known before compiling."""
+    m, j, i = point
+    figures = self.compute[(self.remats[j].name, self.ks[i])]
+    if figures is None:
+      return 0.0  # Unknown until compiled: never ruled out by time.
+    k = self.ks[i]
+    seconds = self.cost_model.compute_seconds(k, figures[0] / k, figures[1] / k)
+    # The wire: a mode's bytes do not fall as K grows (gather_once sends the
+    # same at every K, the others more), whatever the policy.
+    wire = [
+      p.wire_bytes or 0 for (pm, _, pi), p in self.points.items() if pm == m and pi <= i
+    ]
+    return seconds + max(wire, default=0) / self.cost_model.wire_bytes_per_second
+
+  def build(self, point: Point) -> tuple[Any, float]:
+    """The point's step compiled (never run), and the seconds it took."""
+    start = _timing.CLOCK()
+    m, j, i = point
+    mode, remat, k = self.modes[m], self.remats[j], self.ks[i]
+    step_options = dict(self.options, **({"fsdp_mode": mode} if mode else {}))
+    step = jax.jit(self.transform(self.grad_fns[remat.name], k, **step_options))
+    return step.lower(*self.args).compile(), _timing.CLOCK() - start
+
+  def record(self, point: Point, compiled: Any, seconds: float) -> PlanPoint:
+    """Records the figures of the point's compiled step."""
+    from jaccum import inspect  # Loaded on first use, as `jaccum.inspect` is.
+
+    m, j, i = point
+    mode, remat, k = self.modes[m], self.remats[j], self.ks[i]
+    stats = inspect._memory_of(compiled)
+    peak = _peak_bytes(stats)
+    figures = self.compute[(remat.name, k)]
+    if figures is None:  # The compiled step's figures: its loop body once.
+      whole = cost(compiled)
+      figures = k * whole["flops"], k * whole["bytes accessed"]
+    flops, accessed = figures
+    wire = _wire_bytes(compiled)
+    self.points[point] = PlanPoint(
+      num_microbatches=k,
+      remat=remat.name,
+      fsdp_mode=mode,
+      peak_bytes=peak,
+      flops=flops,
+      bytes_accessed=accessed,
+      wire_bytes=wire,
+      predicted_seconds=self.cost_model.seconds(k, flops / k, accessed / k, wire or 0),
+      fits=peak <= self.budget,
+      order=len(self.points) + 1,
+      stats=stats,
+    )
+    self.executables[point] = compiled
+    self.compile_seconds.append(seconds)
+    return self.points[point]
+
+  def compile(self, point: Point) -> PlanPoint:
+    """Compiles the point's step (never runs it) and records its figures."""
+    return self.record(point, *self.build(point))
+
+  def over_implied(self, point: Point) -> bool:
+    """Over budget, known or implied: a point at least as light is over."""
+    return any(
+      not p.fits and all(a <= b for a, b in zip(point, q, strict=True))
+      for q, p in self.points.items()
+    )
+
+  def fastest(self) -> Point | None:
+    """The fastest fitting point compiled, by the model, ties to the lightest.
+
+    Predictions within TIE of the fastest are equal: the model is not finer
+    than that. Of those, the lightest: no remat before remat, the smaller K,
+    the mode that sends fewer bytes.
+    """
+    fitting = [q for q, p in self.points.items() if p.fits]
+    if not fitting:
+      return None
+    least = min(self.points[q].predicted_seconds for q in fitting)
+    near = [q for q in fitting if self.points[q].predicted_seconds <= least * (1 + TIE)]
+    return min(near, key=_lightness)
+
+  def may_win(self, point: Point, best: Point | None) -> bool:
+    """Whether the point could be faster than `best`, or tie and be lighter."""
+    if best is None:
+      return True
+    best_time = self.points[best].predicted_seconds
+    lighter = _lightness(point) < _lightness(best)
+    bound = self.bound(point)
+    return bound < best_time or (lighter and bound <= best_time * (1 + TIE))
+
+  def run(self) -> Point | None:
+    """The branch and bound: the grid's fastest fitting point, or None."""
+    while True:
+      best = self.fastest()
+      left = [
+        p
+        for p in self.grid
+        if p not in self.points and self.may_win(p, best) and not self.over_implied(p)
+      ]
+      if not left:
+        break
+      left.sort(key=lambda p: (self.bound(p), p))
+      # The fastest bound first (a generous budget ends there), then the median.
+      self.compile(left[len(left) // 2 if self.points else 0])
+    if best is None:
+      # Memory need not be monotone: before saying that nothing fits, compile
+      # the row with the least memory (the most sharded mode, the heaviest
+      # policy) at every K the search skipped.
+      for i in range(len(self.ks)):
+        if (point := (len(self.modes) - 1, len(self.remats) - 1, i)) not in self.points:
+          self.compile(point)
+      best = self.fastest()
+    return best
+
+
+def _lightness(point: Point) -> tuple[int, int, int]:
+  """Lighter first: the policy, then K, then the mode."""
+  m, j, i = point
+  return (j, i, m)
+
+
+def _check_policies(policies: Sequence[Any]) -> list[Remat]:
+  if isinstance(policies, str) or not isinstance(policies, Sequence) or not policies:
+    raise TypeError(
+      "policies must be a non-empty sequence (lightest first) of None, "
+      f"jax.checkpoint_policies names, policies or (name, policy) pairs; got "
+      f"{policies!r}."
+    )
+  remats = [_remat(p) for p in policies]
+  names = [r.name for r in remats]
+  if len(set(names)) != len(names):
+    raise ValueError(f"policies must have distinct names, got {names}.")
+  return remats
+
+
+def _grad_fns(
+  make_grad_fn: Callable[[Remat], Callable[..., Any]], remats: list[Remat]
+) -> dict[str | None, Callable[..., Any]]:
+  if not callable(make_grad_fn):
+    raise TypeError(
+      f"make_grad_fn must be callable, make_grad_fn(remat) -> grad_fn; got "
+      f"{make_grad_fn!r}."
+    )
+  grad_fns = {}
+  for remat in remats:
+    grad_fn = make_grad_fn(remat)
+    if not callable(grad_fn):
+      raise TypeError(
+        f"make_grad_fn(remat) must return a grad_fn, e.g. jax.grad(loss); for "
+        f"{remat!r} it returned {grad_fn!r}."
+      )
+    grad_fns[remat.name] = grad_fn
+  return grad_fns
+
+
+def _fsdp_modes(
+  fsdp_modes: Sequence[str] | None, given_mode: str | None, on_mesh: bool
+) -> list[str | None]:
+  """The modes to choose from: those given, the one given, or all on a mesh."""
+  if fsdp_modes is None:
+    if given_mode is not None:
+      return [given_mode]
+    return list(FSDP_MODES) if on_mesh else [None]
+  if isinstance(fsdp_modes, str) or not fsdp_modes:
+    raise TypeError(
+      f"fsdp_modes must be a non-empty sequence of {FSDP_MODES}, got {fsdp_modes!r}."
+    )
+  if bad := [m for m in fsdp_modes if m not in FSDP_MODES]:
+    raise ValueError(f"fsdp_modes must be among {FSDP_MODES}, got {bad}.")
+  if not on_mesh:
+    raise ValueError(
+      "fsdp_modes choose among FSDP modes, which need data_parallel's "
+      "param_specs=... (or fsdp_mode=...); pass them, or leave fsdp_modes out."
+    )
+  return sorted(set(fsdp_modes), key=FSDP_MODES.index)
+
+
+def _check_cost_model(cost_model: Any, calibrate: bool) -> CostModel:
+  if cost_model is None:
+    return CostModel.calibrate() if calibrate else CostModel.default()
+  if not isinstance(cost_model, CostModel):
+    raise TypeError(f"cost_model must be a jaccum.CostModel, got {cost_model!r}.")
+  return cost_model
+
+
+def _check_measure(measure: Any, args: Sequence[Any]) -> float | None:
+  """The time bound in seconds, or None; the arguments must then be arrays."""
+  if measure is None:
+    return None
+  if isinstance(measure, bool) or not isinstance(measure, numbers.Real):
+    raise TypeError(
+      "measure must be None (predict only) or a time bound in seconds (a "
+      f"number), got {measure!r}."
+    )
+  if not float(measure) >= 0:  # Also catches NaN.
+    raise ValueError(f"measure must be a time bound in seconds >= 0, got {measure!r}.")
+  for path, leaf in jax.tree_util.tree_leaves_with_path(list(args)):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      raise TypeError(
+        "measure= times the step on the device, so the arguments must be "
+        f"arrays; args{jax.tree_util.keystr(path)} is {leaf}. Pass arrays, or "
+        "leave measure out to choose by the cost model alone."
+      )
+  if jax.process_count() > 1:
+    raise ValueError(
+      f"measure= times the step in this process, and with {jax.process_count()} "
+      "processes each could choose another plan (their steps would then not "
+      "match): leave measure out, or measure in a one-process run and pass "
+      "its K and policy."
+    )
+  return float(measure)
+
+
+def _search_for(
+  make_grad_fn: Callable[[Remat], Callable[..., Any]],
+  args: Sequence[Any],
+  memory_budget: int | float,
+  candidates: Iterable[int] | None,
+  policies: Sequence[Any],
+  fsdp_modes: Sequence[str] | None,
+  cost_model: CostModel | None,
+  calibrate: bool,
+  accumulate_kwargs: dict[str, Any],
+) -> _Search:
+  """Checks `fit_plan`'s arguments; the search over their grid, not yet run."""
+  budget = _budget_bytes(memory_budget)
+  remats = _check_policies(policies)
+  grad_fns = _grad_fns(make_grad_fn, remats)
+  options = dict(accumulate_kwargs)
+  given_mode = options.pop("fsdp_mode", None)
+  on_mesh = "param_specs" in options or given_mode is not None
+  modes = _fsdp_modes(fsdp_modes, given_mode, on_mesh)
+  first = grad_fns[remats[0].name]
+  check = dict(options, **({"fsdp_mode": modes[0]} if modes[0] else {}))
+  transform, ks, shards = _prepare(first, args, candidates, check)
+  model = _check_cost_model(cost_model, calibrate)
+  batch_argnums = options.get("batch_argnums", 1)
+  rows_per_device = _batch_size(args, batch_argnums) // shards
+  no_remat = grad_fns.get(None) or make_grad_fn(Remat(None, None))
+  compute = step_compute(grad_fns, no_remat, args, batch_argnums, rows_per_device, ks)
+  return _Search(
+    modes=modes,
+    remats=remats,
+    ks=ks,
+    grad_fns=grad_fns,
+    compute=compute,
+    transform=transform,
+    options=options,
+    args=args,
+    batch_argnums=batch_argnums,
+    shards=shards,
+    rows_per_device=rows_per_device,
+    budget=budget,
+    cost_model=model,
+  )
+
+
+def _nothing_fits(search: _Search) -> ValueError:
+  """The error when no configuration fits: what dominates, and the lever."""
+  point = min(search.points, key=lambda q: (search.points[q].peak_bytes, q))
+  smallest = search.points[point]
+  k = smallest.num_microbatches
+  micro = micro_args(search.args, search.batch_argnums, search.rows_per_device // k)
+  largest = _peak.largest_activation(search.grad_fns[smallest.remat], micro)
+  split = _peak.parts(
+    smallest.stats,
+    search.args,
+    batch_argnum_set(search.args, search.batch_argnums),
+    search.shards,
+    largest,
+  )
+  advice = _peak.advice(
+    split,
+    fsdp_mode=smallest.fsdp_mode,
+    num_microbatches=k,
+    rows_per_device=search.rows_per_device,
+    largest_candidate=search.ks[-1],
+    policies=[r.name for r in search.remats],
+  )
+  tried = {search.key(q): p for q, p in search.points.items()}
+  return ValueError(
+    f"no configuration fits memory_budget={search.budget} "
+    f"({_format_bytes(search.budget)}) per device; the smallest peak is "
+    f"{_format_bytes(smallest.peak_bytes)} at {_describe(search.key(point))}: "
+    f"{_peak.describe(split)}. {advice}\n" + _table(tried, None)
+  )
+
+
+def _estimate(search: _Search, point: Point) -> float:
+  """The point's predicted time if compiled, else its bound."""
+  known = search.points.get(point)
+  return known.predicted_seconds if known else search.bound(point)
+
+
+def _compile_within(
+  search: _Search, timer: _timing.Timer[Point], points: Iterable[Point]
+) -> bool:
+  """Compiles those of `points` not compiled yet, side by side, in the time left.
+
+  Returns whether every one of them was compiled.
+  """
+  todo = [p for p in dict.fromkeys(points) if p not in search.points]
+  builds = [lambda p=p: search.build(p) for p in todo]
+  done = timer.compile(builds, workers=os.cpu_count() or 1)
+  for point, (compiled, seconds) in zip(todo, done, strict=False):
+    search.record(point, compiled, seconds)
+  return len(done) == len(todo)
+
+
+def _first_points(
+  search: _Search, timer: _timing.Timer[Point], best: Point
+) -> list[Point]:
+  """The points of `_spread`, compiled and fitting.
+
+  One that turns out over the budget is replaced by the next spread, until
+  all fit, none is left, or the time is out.
+  """
+  while True:
+    wanted = _spread(search, best)
+    if all(p in search.points for p in wanted):
+      return wanted
+    if not _compile_within(search, timer, wanted):
+      return [p for p in wanted if p in search.points and search.points[p].fits]
+
+
+def _spread(search: _Search, best: Point) -> list[Point]:
+  """The points to time first, the model's choice first.
+
+  Of those that may fit and that the model puts within MEASURE_WITHIN of its
+  choice, at most MEASURE_SPREAD, each next the farthest from those already
+  picked over the grid's levers (K, policy, mode, each scaled to one), the
+  faster of equals first: they span the grid, since where the model is
+  wrong (caches, per-kernel costs, recompute XLA drops) it is wrong along
+  a lever, not at a point.
+  """
+  limit = search.points[best].predicted_seconds * MEASURE_WITHIN
+  near = [
+    p
+    for p in search.grid
+    if not search.over_implied(p) and _estimate(search, p) <= limit
+  ]
+  sizes = (len(search.modes), len(search.remats), len(search.ks))
+
+  def distance(a: Point, b: Point) -> float:
+    return sum(abs(x - y) / max(n - 1, 1) for x, y, n in zip(a, b, sizes, strict=True))
+
+  picked = [best]
+  while len(picked) < MEASURE_SPREAD and (rest := [p for p in near if p not in picked]):
+    picked.append(
+      max(
+        rest,
+        key=lambda p: (min(distance(p, q) for q in picked), -_estimate(search, p)),
+      )
+    )
+  return picked
+
+
+def _neighbours(search: _Search, point: Point) -> list[Point]:
+  """The next K either way, and the other policies and modes at its K."""
+  m, j, i = point
+  near = [
+    (m, j, i - 1),
+    (m, j, i + 1),
+    *((m, other, i) for other in range(len(search.remats)) if other != j),
+    *((other, j, i) for other in range(len(search.modes)) if other != m),
+  ]
+  return [p for p in near if 0 <= p[2] < len(search.ks) and not search.over_implied(p)]
+
+
+def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Point]:
+  """Times points near the model's choice, then the fastest's neighbours.
+
+  First the points of `_spread`, then, while time is left and the fastest
+  measured changes, its neighbours beside it; each
+  group for MEASURE_ROUNDS interleaved rounds. A point not yet compiled is
+  compiled first (within the bound); one over the budget is never run.
+  """
+  timer: _timing.Timer[Point] = _timing.Timer(
+    seconds, max(search.compile_seconds, default=0.0)
+  )
+  # NumPy arrays on the device once, not copied there in every timed call.
+  args = jax.tree.map(
+    lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf,
+    list(search.args),
+  )
+
+  def enter(points: list[Point]) -> list[Point]:
+    _compile_within(search, timer, points)
+    entered = []
+    for point in points:
+      if point in search.points and search.points[point].fits:
+        run = functools.partial(search.executables[point], *args)
+        if timer.add(point, run, search.points[point].predicted_seconds):
+          entered.append(point)
+    return entered
+
+  tried = set(first := _first_points(search, timer, best))
+  timer.race(enter(first), MEASURE_ROUNDS)
+  while not timer.cut_short and (incumbent := timer.fastest()) is not None:
+    new = [p for p in _neighbours(search, incumbent) if p not in tried]
+    if not new:
+      break
+    tried.update(new)
+    if entered := enter(new):
+      timer.race([incumbent, *entered], MEASURE_ROUNDS)
+  _final_race(timer)
+  return timer
+
+
+def _final_race(timer: _timing.Timer[Point]) -> None:
+  """More rounds, side by side, for those within MEASURE_CLOSE of the fastest.
+
+  A choice between near-equals should not rest on a few rounds each, timed
+  in groups under whatever load each group met.
+  """
+  medians = {p: m for p in timer.rounds if (m := timer.median(p)) is not None}
+  if not medians:
+    return
+  limit = min(medians.values()) * (1 + MEASURE_CLOSE)
+  close = [p for p, median in medians.items() if median <= limit]
+  if len(close) > 1:
+    timer.race(close, 2 * MEASURE_ROUNDS)
+
+
+def _plan_of(
+  search: _Search,
+  best: Point,
+  model_choice: Point,
+  timer: _timing.Timer[Point] | None,
+) -> Plan:
+  """The plan of `best`, with every point compiled and any timings."""
+  points = dict(search.points)
+  if timer is not None:
+    for point, times in timer.rounds.items():
+      if times:
+        points[point] = points[point]._replace(
+          measured_seconds=timer.median(point), round_seconds=tuple(times)
+        )
+  chosen = points[best]
+  plan_options = dict(search.options)
+  if chosen.fsdp_mode:
+    plan_options["fsdp_mode"] = chosen.fsdp_mode
+  return Plan(
+    num_microbatches=chosen.num_microbatches,
+    remat=chosen.remat,
+    fsdp_mode=chosen.fsdp_mode,
+    peak_bytes=chosen.peak_bytes,
+    predicted_seconds=chosen.predicted_seconds,
+    tried={search.key(q): p for q, p in points.items()},
+    memory_budget=search.budget,
+    grid_size=len(search.grid),
+    cost_model=search.cost_model,
+    policy=search.remats[best[1]],
+    options=plan_options,
+    measured_seconds=chosen.measured_seconds,
+    measure_seconds=None if timer is None else timer.seconds,
+    measure_spent_seconds=None if timer is None else timer.elapsed(),
+    model_choice=search.key(model_choice),
+  )
+
+
 def fit_plan(
   make_grad_fn: Callable[[Remat], Callable[..., Any]],
   *args: Any,
@@ -491,6 +882,7 @@ def fit_plan(
   fsdp_modes: Sequence[str] | None = None,
   cost_model: CostModel | None = None,
   calibrate: bool = False,
+  measure: float | None = None,
   **accumulate_kwargs: Any,
 ) -> Plan:
   """The fastest K, remat policy and FSDP mode whose compiled step fits a budget.
@@ -498,11 +890,13 @@ def fit_plan(
   `fit_microbatches` over more levers. Each configuration is the step
   `jax.jit(accumulate(make_grad_fn(remat), K, **accumulate_kwargs))` (or
   `data_parallel`'s, with the mode as `fsdp_mode`); it is compiled for the
-  arguments and never run, so they may be `jax.ShapeDtypeStruct` objects. Of
-  those that fit, the plan is the one `cost_model` predicts fastest (see
-  `CostModel`): compute from XLA's cost analysis of the micro-step, which
-  counts the recompute of each policy, and the wire from the collectives'
-  bytes in the compiled program.
+  arguments. Of those that fit, the plan is the one `cost_model` predicts
+  fastest (see `CostModel`): compute from XLA's cost analysis of the
+  micro-step lowered at each K (a cost that is not affine in the rows, such
+  as a loss over all pairs of rows, is seen at every K), which counts the
+  recompute of each policy, and the wire from the collectives' bytes in the
+  compiled program. With `measure=`, the plan is instead the fastest of the
+  steps it times on the device.
 
   Few configurations are compiled (the module's docstring says how): memory
   is taken to fall as K grows, along `policies` (give them lightest first)
@@ -531,17 +925,44 @@ def fit_plan(
       `CostModel.default()`.
     calibrate: measure the cost model's constants on this backend first
       (small programs of its own, never the step).
+    measure: a time bound in seconds to time steps on the device and choose
+      by the clock, or None (the default) to choose by the cost model
+      alone. It times points spread over the grid (K, policy, mode) among
+      those the model predicts within 2x of its choice (at most 6, its
+      choice first, each next the farthest from those picked), then the
+      neighbours of
+      the fastest measured (the next K either way, the other policies and
+      modes at its K) while that changes, in interleaved rounds (3 per
+      group, then 6 more for those within 10% of the fastest, the median of
+      all counts), compiling those the search had not; it
+      starts nothing that the time left does not cover (see `Plan` for what
+      it spent), and chooses the least median timed. The default runs
+      nothing, because choosing by the clock costs what the model's choice
+      does not: it needs the arguments as arrays on the device (not
+      `jax.ShapeDtypeStruct` objects, nor a plan made before the model is
+      allocated), it takes seconds of compiling and running, and its
+      choice varies with the machine's load from run to run, where the
+      model's is the same on every run and every process (a multi-process
+      job must choose the same step everywhere, so it is refused there).
+      Where the model is known to rank well (a GPU running large
+      micro-batches) it is enough; on a CPU, whose caches and per-kernel
+      costs it does not see, measure.
     **accumulate_kwargs: options of `accumulate` (`batch_argnums`, `reduce`,
       …) or of `data_parallel` (`mesh`, `axis`, `param_specs`).
 
   Returns:
-    A `Plan`; `print` it for a table of every configuration compiled, and
+    A `Plan`; `print` it for a table of every configuration compiled (with
+    `measure=`, what was timed, the predicted and measured times), and
     `plan.step(make_grad_fn)` for its accumulated function.
 
   Raises:
     TypeError, ValueError: on bad arguments, as `fit_microbatches` raises
-      them; and when no configuration fits, after compiling every one the
-      search skipped, with the table of what was compiled.
+      them, and on a bad `measure` or `jax.ShapeDtypeStruct` arguments with
+      it; and when no configuration fits, after compiling every one the
+      search skipped, with what dominates the smallest peak (the params
+      and what scales with them, the batch, the activations and the
+      largest of them), the lever that would move it, and the table of
+      what was compiled.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaccum
@@ -560,240 +981,37 @@ def fit_plan(
     memory budget 3.00 MiB per device: K=..., remat=..., peak ... configurations
      K  remat  order  peak  GFLOPs  bytes  wire  predicted
     ...
+
+    Timed on the device, within 10 seconds, the plan is the fastest step
+    measured:
+
+    >>> ws, x = jnp.ones((8, 128, 128)) / 128, jnp.ones((1024, 128))
+    >>> timed = jaccum.fit_plan(make_grad_fn, ws, x, memory_budget=3 << 20,
+    ...                         candidates=[8, 16, 32], measure=10.0)
+    >>> fastest = min((p for p in timed.tried.values() if p.measured_seconds),
+    ...               key=lambda p: p.measured_seconds)
+    >>> timed.measured_seconds == fastest.measured_seconds
+    True
+    >>> print(timed)
+    memory budget 3.00 MiB per device: ..., measured ... ms per step; ... bound...
+     K  remat  order  peak  GFLOPs  bytes  wire  predicted  measured
+    ...
   """
-  if not callable(make_grad_fn):
-    raise TypeError(
-      f"make_grad_fn must be callable, make_grad_fn(remat) -> grad_fn; got "
-      f"{make_grad_fn!r}."
-    )
-  budget = _budget_bytes(memory_budget)
-  if isinstance(policies, str) or not isinstance(policies, Sequence) or not policies:
-    raise TypeError(
-      "policies must be a non-empty sequence (lightest first) of None, "
-      f"jax.checkpoint_policies names, policies or (name, policy) pairs; got "
-      f"{policies!r}."
-    )
-  remats = [_remat(p) for p in policies]
-  names = [r.name for r in remats]
-  if len(set(names)) != len(names):
-    raise ValueError(f"policies must have distinct names, got {names}.")
-
-  grad_fns: dict[str | None, Callable[..., Any]] = {}
-  for remat in remats:
-    grad_fn = make_grad_fn(remat)
-    if not callable(grad_fn):
-      raise TypeError(
-        f"make_grad_fn(remat) must return a grad_fn, e.g. jax.grad(loss); for "
-        f"{remat!r} it returned {grad_fn!r}."
-      )
-    grad_fns[remat.name] = grad_fn
-
-  options = dict(accumulate_kwargs)
-  given_mode = options.pop("fsdp_mode", None)
-  on_mesh = "param_specs" in options or given_mode is not None
-  modes: list[str | None]
-  if fsdp_modes is not None:
-    if isinstance(fsdp_modes, str) or not fsdp_modes:
-      raise TypeError(
-        f"fsdp_modes must be a non-empty sequence of {FSDP_MODES}, got {fsdp_modes!r}."
-      )
-    if bad := [m for m in fsdp_modes if m not in FSDP_MODES]:
-      raise ValueError(f"fsdp_modes must be among {FSDP_MODES}, got {bad}.")
-    if not on_mesh:
-      raise ValueError(
-        "fsdp_modes choose among FSDP modes, which need data_parallel's "
-        "param_specs=... (or fsdp_mode=...); pass them, or leave fsdp_modes out."
-      )
-    modes = sorted(set(fsdp_modes), key=FSDP_MODES.index)
-  elif given_mode is not None:
-    modes = [given_mode]
-  else:
-    modes = list(FSDP_MODES) if on_mesh else [None]
-
-  first = grad_fns[remats[0].name]
-  check = dict(options, **({"fsdp_mode": modes[0]} if modes[0] else {}))
-  transform, ks, shards = _prepare(first, args, candidates, check)
-  if cost_model is None:
-    cost_model = CostModel.calibrate() if calibrate else CostModel.default()
-  elif not isinstance(cost_model, CostModel):
-    raise TypeError(f"cost_model must be a jaccum.CostModel, got {cost_model!r}.")
-
-  batch_argnums = options.get("batch_argnums", 1)
-  rows_per_device = _batch_size(args, batch_argnums) // shards
-
-  # Each point's compute: K micro-steps of the lowered micro-step's cost. It
-  # is the same in every mode (the gathers are wire, counted when compiled).
-  # XLA's figures are affine in the rows (α·rows + β per micro-step), so the
-  # step's are αB + βK: lowering the smallest and largest K gives every K.
-  # A policy changes what is recomputed, not what the step must read: the
-  # bytes are the micro-step's without remat, the FLOPs the policy's own.
-  # (Before fusion, a rematerialised program's bytes came out below those
-  # without remat, which ranked remat faster than it runs.)
-  no_remat = grad_fns.get(None) or make_grad_fn(Remat(None, None))
-  costs: dict[tuple[Any, int], dict[str, float] | None] = {}
-
-  def cost_of(grad_fn: Callable[..., Any], key: Any, k: int) -> dict[str, float] | None:
-    if (key, k) not in costs:
-      micro = _micro_args(args, batch_argnums, rows_per_device // k)
-      try:
-        costs[(key, k)] = _step_cost(grad_fn, micro)
-      except Exception:  # E.g. code that names a mesh axis: known when compiled.
-        costs[(key, k)] = None
-    return costs[(key, k)]
-
-  def lowered(name: str | None, k: int) -> tuple[float, float] | None:
-    flops = cost_of(grad_fns[name], name, k)
-    accessed = cost_of(no_remat, None, k)
-    if flops is None or accessed is None:
-      return None
-    return k * flops["flops"], k * accessed["bytes accessed"]
-
-  compute: dict[tuple[str | None, int], tuple[float, float] | None] = {}
-  for remat in remats:
-    ends = [lowered(remat.name, k) for k in (ks[0], ks[-1])]
-    for k in ks:
-      if None in ends:
-        compute[(remat.name, k)] = None
-        continue
-      share = (k - ks[0]) / (ks[-1] - ks[0]) if len(ks) > 1 else 0.0
-      compute[(remat.name, k)] = tuple(  # type: ignore[assignment]
-        a + share * (b - a) for a, b in zip(*ends, strict=True)
-      )
-
-  def bound(point: tuple[int, int, int]) -> float:
-    m, j, i = point
-    figures = compute[(remats[j].name, ks[i])]
-    if figures is None:
-      return 0.0  # Unknown until compiled: never ruled out by time.
-    seconds = cost_model.compute_seconds(ks[i], figures[0] / ks[i], figures[1] / ks[i])
-    # The wire: a mode's bytes do not fall as K grows (gather_once sends the
-    # same at every K, the others more), whatever the policy.
-    wire = [
-      q.wire_bytes or 0 for (qm, _, qi), q in points.items() if qm == m and qi <= i
-    ]
-    return seconds + max(wire, default=0) / cost_model.wire_bytes_per_second
-
-  grid = [(m, j, i) for m in range(len(modes)) for j in range(len(remats))
-          for i in range(len(ks))]  # fmt: skip
-  points: dict[tuple[int, int, int], PlanPoint] = {}
-
-  from jaccum import inspect  # Loaded on first use, as `jaccum.inspect` is.
-
-  def compile_point(point: tuple[int, int, int]) -> PlanPoint:
-    m, j, i = point
-    mode, remat, k = modes[m], remats[j], ks[i]
-    step_options = dict(options, **({"fsdp_mode": mode} if mode else {}))
-    step = jax.jit(transform(grad_fns[remat.name], k, **step_options))
-    compiled = step.lower(*args).compile()
-    stats = inspect._memory_of(compiled)
-    peak = _peak(stats)
-    exact = lowered(remat.name, k)
-    if exact is None:  # The compiled step's figures: its loop body once.
-      figures = _cost(compiled)
-      exact = k * figures["flops"], k * figures["bytes accessed"]
-    flops, accessed = exact
-    wire = _wire_bytes(compiled)
-    points[point] = PlanPoint(
-      num_microbatches=k,
-      remat=remat.name,
-      fsdp_mode=mode,
-      peak_bytes=peak,
-      flops=flops,
-      bytes_accessed=accessed,
-      wire_bytes=wire,
-      predicted_seconds=cost_model.seconds(k, flops / k, accessed / k, wire or 0),
-      fits=peak <= budget,
-      order=len(points) + 1,
-      stats=stats,
-    )
-    return points[point]
-
-  def over_implied(point: tuple[int, int, int]) -> bool:
-    # Over budget if a point at least as light in every lever is over.
-    return any(
-      not p.fits and all(a <= b for a, b in zip(point, q, strict=True))
-      for q, p in points.items()
-    )
-
-  def fastest() -> tuple[int, int, int] | None:
-    # Predictions within TIE of the fastest are equal: the model is not
-    # finer than that. Of those, the lightest: no remat before remat, the
-    # smaller K, the mode that sends fewer bytes.
-    fitting = [q for q, p in points.items() if p.fits]
-    if not fitting:
-      return None
-    least = min(points[q].predicted_seconds for q in fitting)
-    near = [q for q in fitting if points[q].predicted_seconds <= least * (1 + TIE)]
-    return min(near, key=lambda q: (q[1], q[2], q[0]))
-
-  def may_win(point: tuple[int, int, int], best: tuple[int, int, int] | None) -> bool:
-    if best is None:
-      return True
-    # Faster than the best, or within its tie and lighter.
-    best_time = points[best].predicted_seconds
-    lighter = (point[1], point[2], point[0]) < (best[1], best[2], best[0])
-    return bound(point) < best_time or (
-      lighter and bound(point) <= best_time * (1 + TIE)
-    )
-
-  while True:
-    best = fastest()
-    left = [
-      p for p in grid if p not in points and may_win(p, best) and not over_implied(p)
-    ]
-    if not left:
-      break
-    left.sort(key=lambda p: (bound(p), p))
-    # The fastest bound first (a generous budget ends there), then the median.
-    compile_point(left[len(left) // 2 if points else 0])
-  if best is None:
-    # Memory need not be monotone: before saying that nothing fits, compile
-    # the row with the least memory (the most sharded mode, the heaviest
-    # policy) at every K the search skipped.
-    for i in range(len(ks)):
-      if (point := (len(modes) - 1, len(remats) - 1, i)) not in points:
-        compile_point(point)
-    best = fastest()
-  tried = {(p.num_microbatches, p.remat, p.fsdp_mode): p for p in points.values()}
-  if best is None:
-    smallest = min(points.values(), key=lambda p: p.peak_bytes)
-    raise ValueError(
-      f"no configuration fits memory_budget={budget} ({_format_bytes(budget)}) "
-      f"per device; the smallest peak is {_format_bytes(smallest.peak_bytes)} at "
-      f"K={smallest.num_microbatches}, remat={smallest.remat}"
-      + (f", fsdp_mode={smallest.fsdp_mode}" if smallest.fsdp_mode else "")
-      + ". Shard the params over more devices (param_specs), allow a larger K, "
-      "rematerialise more of the model, or use a smaller batch.\n"
-      + _table(
-        Plan(
-          0,
-          None,
-          None,
-          0,
-          0.0,
-          tried,
-          budget,
-          len(grid),
-          cost_model,
-          Remat(None, None),
-          options,
-        )
-      )
-    )
-  chosen = points[best]
-  plan_options = dict(options)
-  if chosen.fsdp_mode:
-    plan_options["fsdp_mode"] = chosen.fsdp_mode
-  return Plan(
-    num_microbatches=chosen.num_microbatches,
-    remat=chosen.remat,
-    fsdp_mode=chosen.fsdp_mode,
-    peak_bytes=chosen.peak_bytes,
-    predicted_seconds=chosen.predicted_seconds,
-    tried=tried,
-    memory_budget=budget,
-    grid_size=len(grid),
-    cost_model=cost_model,
-    policy=remats[best[1]],
-    options=plan_options,
+  seconds = _check_measure(measure, args)
+  search = _search_for(
+    make_grad_fn,
+    args,
+    memory_budget,
+    candidates,
+    policies,
+    fsdp_modes,
+    cost_model,
+    calibrate,
+    accumulate_kwargs,
   )
+  best = search.run()
+  if best is None:
+    raise _nothing_fits(search)
+  timer = None if seconds is None else _measured(search, best, seconds)
+  fastest = timer.fastest() if timer else None
+  return _plan_of(search, fastest or best, best, timer)
