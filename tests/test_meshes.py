@@ -122,7 +122,7 @@ def stderr_of_xla():
   [("gather_once", 1), ("gather_once", 4), ("shard_grads", 4), ("shard_all", 4)],
 )
 def test_fsdp_with_tensor_parallelism_is_the_whole_batch_gradient(
-  case, mode, num_microbatches
+  case, mode, num_microbatches, fresh_compiles
 ):
   """Exact, sharded like the params, and compiled without XLA rematerialising
   whole arrays (it warns on stderr; a spec that dropped the model axis made
@@ -267,7 +267,9 @@ def nnx_batch(mesh):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_nnx_minigpt_step_runs_on_its_mesh_with_the_model_as_it_is(mode):
+def test_the_nnx_minigpt_step_runs_on_its_mesh_with_the_model_as_it_is(
+  mode, fresh_compiles
+):
   """The tutorial's mesh and partitioning; FSDP from the variables' metadata
   (the MLP's kernels also name "batch"). The port changes the gradient line."""
   from flax import nnx
@@ -351,7 +353,9 @@ def test_linen_on_a_mesh_with_fsdp_and_tensor_parallel_params():
     )
 
 
-def test_specs_that_drop_the_model_axis_make_xla_rematerialise_and_the_check_sees_it():
+def test_specs_that_drop_the_model_axis_make_xla_rematerialise_and_the_check_sees_it(
+  fresh_compiles,
+):
   """The check above can fail: the 2-D kernels given P("batch"), which drops
   their model sharding, is what made XLA rematerialise whole arrays."""
   from flax import nnx
