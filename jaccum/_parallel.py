@@ -674,7 +674,10 @@ def data_parallel(
     A function with `grad_fn`'s signature, and `accumulate`'s keyword
     `num_real_microbatches` (one count, or one per device: shape
     `[devices]`; a device that runs fewer micro-batches skips them, and
-    nothing waits for it until the reduction). `"mean"`, `"sum"`, `"max"` and
+    nothing waits for it until the reduction, except with the sharded FSDP
+    modes, whose collectives inside the loop need every device: there the
+    devices run in step, as many micro-batches as the busiest, the others
+    joining with a weight of 0). `"mean"`, `"sum"`, `"max"` and
     `"min"` leaves come back replicated, gradients of FSDP-sharded params
     sharded like them, `"concat"` and `"last"` leaves (one row per example)
     sharded over `axis`, in the batch's row order.
