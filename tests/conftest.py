@@ -29,6 +29,7 @@ if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
 
 import jax  # noqa: E402  (XLA reads XLA_FLAGS when its backend starts)
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -42,9 +43,16 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 @pytest.fixture
 def fresh_compiles():
-  """XLA compiles every program of the test itself: none from the cache."""
+  """XLA compiles every program of the test itself: none from the cache.
+
+  JAX decides once per process whether to use the cache and remembers it, so
+  the flag alone would change nothing once another test had compiled:
+  `reset_cache` makes it decide again, on the way in and on the way out.
+  """
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
