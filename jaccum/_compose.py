@@ -24,10 +24,13 @@ a batch sharded by `accumulate`            lives on the last devices
                                            means
 `deterministic` × `split="strided"`        refused: a strided micro-batch's
                                            rows depend on K and the devices
-`deterministic` × `state_argnum`           refused: state threads through
-                                           each device's micro-batches in
+`deterministic` × `state_argnum`, a state  refused: state threads through
+with array leaves                          each device's micro-batches in
                                            turn, a chain that K and the
-                                           devices cut differently
+                                           devices cut differently (a state
+                                           with no arrays, as `jaccum.nnx`
+                                           passes for a model of params
+                                           alone, is exact)
 `deterministic` × `reduce_fn`              refused: its sum is the user's,
                                            not exact
 `deterministic` × `reduce_dtype`           refused: a narrowed wire rounds
@@ -152,14 +155,6 @@ def _deterministic_and(config: Config, split: str | None) -> None:
       "and number of devices. Leave split out (deterministic=True splits "
       "contiguously: micro-batch m is rows m·R .. (m+1)·R - 1)",
     ),
-    "state": (
-      config.state_argnum is not None,
-      f"state_argnum={config.state_argnum}",
-      "the state is threaded through each device's micro-batches in turn, a "
-      "chain that K and the devices cut differently (BatchNorm statistics "
-      "would differ). Keep the state out of grad_fn's arguments, or drop "
-      "deterministic=True",
-    ),
     "reduce_fn": (
       config.reduce_fn is not None,
       "reduce_fn",
@@ -175,6 +170,16 @@ def _deterministic_and(config: Config, split: str | None) -> None:
   for refused, named, reason in why.values():
     if refused:
       raise ValueError(f"deterministic=True and {named} do not combine: {reason}.")
+
+
+def deterministic_and_state(state_argnum: int | None) -> None:
+  raise ValueError(
+    f"deterministic=True and state_argnum={state_argnum} do not combine: the "
+    "state is threaded through each device's micro-batches in turn, a chain "
+    "that K and the devices cut differently (BatchNorm statistics, or the "
+    "counts of an nnx.Rngs, would differ). Keep the state out of grad_fn's "
+    "arguments, or drop deterministic=True."
+  )
 
 
 def deterministic_and_sharded_loop(fsdp_mode: str) -> None:

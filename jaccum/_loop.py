@@ -273,14 +273,17 @@ def _deterministic_start(
   num_real: Any,
   count_varies: bool,
   fsdp: _fsdp.Plan | None,
+  state: Any,
 ) -> Any:
   """With `deterministic=True`, the global index of this device's first micro-batch.
 
-  Checked first: the micro-batches over all devices fit the exact sums, and
-  no FSDP mode scatters inside the loop.
+  Checked first: the micro-batches over all devices fit the exact sums, no
+  FSDP mode scatters inside the loop, and no arrays thread as state.
   """
   if not config.deterministic:
     return 0
+  if jax.tree.leaves(state):
+    _compose.deterministic_and_state(config.state_argnum)
   if fsdp is not None:
     _compose.deterministic_and_sharded_loop(
       "shard_all" if any(fsdp.params) else "shard_grads"
@@ -335,7 +338,8 @@ def scan(
     hint=_config.batch_hint(config, at),
   )
   rows = batch_size // config.num_microbatches
-  first = _deterministic_start(config, axes, num_real, count_varies, fsdp)
+  state = None if at.state is None else args[at.state]
+  first = _deterministic_start(config, axes, num_real, count_varies, fsdp, state)
   inputs = _step.prepare(config, at, args, kwargs, axes, first)
   state0 = None if at.state is None else inputs.args[at.state]
   step = _step.trace(config, inputs, state0, axes, fsdp.params if fsdp else ())

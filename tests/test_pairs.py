@@ -939,6 +939,13 @@ def refuse_deterministic_and(option):
   jaccum.accumulate(make_grad_fn(False, False), K, deterministic=True, **option)
 
 
+def refuse_deterministic_and_state():
+  step = jaccum.accumulate(
+    make_grad_fn(True, False), K, state_argnum=2, deterministic=True, split=None
+  )
+  jax.jit(step)(make_params(jnp.float32), make_batch(0), make_state())
+
+
 def refuse_deterministic_and_fsdp(mode):
   mesh, params, batch = refusal_setup()
   step = jaccum.data_parallel(
@@ -1010,8 +1017,8 @@ REFUSALS = {
     [functools.partial(refuse_deterministic_and, {"split": "strided"})],
     r'deterministic=True and split="strided" do not combine',
   ),
-  "`deterministic` × `state_argnum`": (
-    [functools.partial(refuse_deterministic_and, {"state_argnum": 2})],
+  "`deterministic` × `state_argnum`, a state with array leaves": (
+    [refuse_deterministic_and_state],
     r"deterministic=True and state_argnum=2 do not combine",
   ),
   "`deterministic` × `reduce_fn`": (
