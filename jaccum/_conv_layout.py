@@ -43,7 +43,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from jaccum import _jaxpr
 
@@ -173,20 +173,7 @@ def _rewrite_conv(eqn: JaxprEqn) -> list[JaxprEqn]:
   closed = jax.make_jaxpr(functools.partial(_canonical_conv, **eqn.params))(
     *(v.aval for v in eqn.invars)
   )
-  (out,) = closed.jaxpr.outvars
-  if closed.consts or not isinstance(out, Var) or out.aval != eqn.outvars[0].aval:
-    return [eqn]
-  rename: dict[Any, Any] = dict(zip(closed.jaxpr.invars, eqn.invars, strict=True))
-  rename[out] = eqn.outvars[0]
-  return [
-    new.replace(
-      invars=[rename.get(v, v) if isinstance(v, Var) else v for v in new.invars],
-      outvars=[rename.get(v, v) for v in new.outvars],
-      source_info=eqn.source_info,
-      ctx=eqn.ctx,
-    )
-    for new in closed.jaxpr.eqns
-  ]
+  return _jaxpr.in_place_of(eqn, closed) or [eqn]
 
 
 def canonicalize_convolutions(closed: ClosedJaxpr) -> ClosedJaxpr:

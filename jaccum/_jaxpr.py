@@ -121,7 +121,16 @@ def _as_reciprocal(eqn: JaxprEqn) -> list[JaxprEqn] | None:
   dtype = getattr(y.aval, "dtype", None)
   if isinstance(y, Literal) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return None
-  closed = jax.make_jaxpr(lambda x, y: x * (1 / y))(x.aval, y.aval)
+  return in_place_of(eqn, jax.make_jaxpr(lambda x, y: x * (1 / y))(x.aval, y.aval))
+
+
+def in_place_of(eqn: JaxprEqn, closed: ClosedJaxpr) -> list[JaxprEqn] | None:
+  """`closed`'s equations wired to `eqn`'s own input and output variables.
+
+  `closed` is traced on the types of `eqn`'s inputs and computes its one
+  output; None where it has constants or its output's type is not exactly
+  `eqn`'s (the caller then keeps `eqn`).
+  """
   (out,) = closed.jaxpr.outvars
   if closed.consts or not isinstance(out, Var) or out.aval != eqn.outvars[0].aval:
     return None
