@@ -191,7 +191,8 @@ def accumulate(
       "Reproducible and elastic accumulation" has the measured accuracy and
       cost: 3 int32 per element in the carry and on the wire). A non-finite
       term makes its whole leaf NaN. Not with `split="strided"`, a
-      `state_argnum` state holding arrays, `reduce_fn`, `reduce_dtype`, FSDP's in-loop modes, or
+      `state_argnum` state holding arrays, `reduce_fn`, `reduce_dtype`,
+      FSDP's in-loop modes, or
       more than 2¹⁵ - 1 micro-batches over all devices (a ValueError names
       both options).
 

@@ -40,6 +40,8 @@ with array leaves                          each device's micro-batches in
                                            (`"gather_once"` is exact: its one
                                            scatter after the loop is of
                                            integers)
+`deterministic` × `fit_plan`'s             gather_once alone by default; the
+`fsdp_modes`                               sharded modes, named, refused
 `deterministic` × more than 512            refused: the bins hold that many
 micro-batches per device, or 2¹⁵ - 1 over  terms
 all devices
@@ -190,6 +192,19 @@ def deterministic_and_sharded_loop(fsdp_mode: str) -> None:
     "fsdp_mode='gather_once' (its one reduce-scatter after the loop sums "
     "integers, exactly)."
   )
+
+
+def deterministic_and_fsdp_modes(fsdp_modes: Sequence[str]) -> None:
+  """`fit_plan`'s `fsdp_modes` × `deterministic=True`: only gather_once is exact."""
+  sharded = [m for m in fsdp_modes if m != "gather_once"]
+  if sharded:
+    raise ValueError(
+      f"deterministic=True and fsdp_modes={list(fsdp_modes)!r} do not combine: "
+      f"{sharded} reduce-scatter floating gradients inside the loop, whose "
+      "rounding depends on K and the devices. Pass fsdp_modes=['gather_once'], "
+      "or leave fsdp_modes out (with deterministic=True fit_plan then tries "
+      "gather_once alone)."
+    )
 
 
 def deterministic_and_terms(
