@@ -31,6 +31,9 @@ with array leaves                          each device's micro-batches in
                                            with no arrays, as `jaccum.nnx`
                                            passes for a model of params
                                            alone, is exact)
+`deterministic` × jaccum.nnx variables     refused, naming the variables
+outside `wrt`, or jaccum.linen's           (the same chain, in the wrapper's
+`batch_stats`, holding arrays              words)
 `deterministic` × `reduce_fn`              refused: its sum is the user's,
                                            not exact
 `deterministic` × `reduce_dtype`           refused: a narrowed wire rounds
@@ -181,6 +184,34 @@ def deterministic_and_state(state_argnum: int | None) -> None:
     "that K and the devices cut differently (BatchNorm statistics, or the "
     "counts of an nnx.Rngs, would differ). Keep the state out of grad_fn's "
     "arguments, or drop deterministic=True."
+  )
+
+
+def deterministic_and_model_state(variables: Sequence[str]) -> None:
+  """`deterministic=True` × jaccum.nnx variables outside `wrt` that hold arrays."""
+  shown = ", ".join(variables[:4])
+  if len(variables) > 4:
+    shown += f" and {len(variables) - 4} more"
+  raise ValueError(
+    f"deterministic=True and a model (or graph-node argument) whose "
+    f"non-parameter variables hold arrays ({shown}) do not combine: jaccum.nnx "
+    "threads them through each device's micro-batches in turn, a chain that K "
+    "and the devices cut differently (BatchNorm statistics, nnx.Rngs counts). "
+    "For dropout, build nnx.Dropout without rngs and pass a key instead: "
+    "loss_fn(model, x, y, key) calling model(x, rngs=nnx.Rngs(dropout=key)), "
+    "with rng_argnum=3, draws from fold_in(key, m) for micro-batch m. Otherwise "
+    "drop deterministic=True."
+  )
+
+
+def deterministic_and_batch_stats() -> None:
+  """`deterministic=True` × jaccum.linen's `batch_stats` holding arrays."""
+  raise ValueError(
+    "deterministic=True and batch_stats holding arrays do not combine: "
+    "jaccum.linen threads the statistics through each device's micro-batches "
+    "in turn, a chain that K and the devices cut differently. A model that "
+    "only reads them (use_running_average=True) can pass batch_stats={} and "
+    "close over the statistics in loss_fn; otherwise drop deterministic=True."
   )
 
 
