@@ -31,6 +31,9 @@ with array leaves                          each device's micro-batches in
                                            with no arrays, as `jaccum.nnx`
                                            passes for a model of params
                                            alone, is exact)
+`deterministic` × jaccum.nnx variables     refused, naming the variables
+outside `wrt`, or jaccum.linen's           (the same chain, in the wrapper's
+`batch_stats`, holding arrays              words)
 `deterministic` × `reduce_fn`              refused: its sum is the user's,
                                            not exact
 `deterministic` × `reduce_dtype`           refused: a narrowed wire rounds
@@ -40,6 +43,8 @@ with array leaves                          each device's micro-batches in
                                            (`"gather_once"` is exact: its one
                                            scatter after the loop is of
                                            integers)
+`deterministic` × `fit_plan`'s sharded     refused when named (the default
+`fsdp_modes`                               grid keeps `"gather_once"` alone)
 `deterministic` × more than 512            refused: the bins hold that many
 micro-batches per device, or 2¹⁵ - 1 over  terms
 all devices
@@ -182,6 +187,34 @@ def deterministic_and_state(state_argnum: int | None) -> None:
   )
 
 
+def deterministic_and_model_state(variables: Sequence[str]) -> None:
+  """`deterministic=True` × jaccum.nnx variables outside `wrt` that hold arrays."""
+  shown = ", ".join(variables[:4])
+  if len(variables) > 4:
+    shown += f" and {len(variables) - 4} more"
+  raise ValueError(
+    f"deterministic=True and a model (or graph-node argument) whose "
+    f"non-parameter variables hold arrays ({shown}) do not combine: jaccum.nnx "
+    "threads them through each device's micro-batches in turn, a chain that K "
+    "and the devices cut differently (BatchNorm statistics, nnx.Rngs counts). "
+    "For dropout, build nnx.Dropout without rngs and pass a key instead: "
+    "loss_fn(model, x, y, key) calling model(x, rngs=nnx.Rngs(dropout=key)), "
+    "with rng_argnum=3, draws from fold_in(key, m) for micro-batch m. Otherwise "
+    "drop deterministic=True."
+  )
+
+
+def deterministic_and_batch_stats() -> None:
+  """`deterministic=True` × jaccum.linen's `batch_stats` holding arrays."""
+  raise ValueError(
+    "deterministic=True and batch_stats holding arrays do not combine: "
+    "jaccum.linen threads the statistics through each device's micro-batches "
+    "in turn, a chain that K and the devices cut differently. A model that "
+    "only reads them (use_running_average=True) can pass batch_stats={} and "
+    "close over the statistics in loss_fn; otherwise drop deterministic=True."
+  )
+
+
 def deterministic_and_sharded_loop(fsdp_mode: str) -> None:
   raise ValueError(
     f"deterministic=True and fsdp_mode={fsdp_mode!r} do not combine: that mode "
@@ -190,6 +223,19 @@ def deterministic_and_sharded_loop(fsdp_mode: str) -> None:
     "fsdp_mode='gather_once' (its one reduce-scatter after the loop sums "
     "integers, exactly)."
   )
+
+
+def deterministic_and_fsdp_modes(fsdp_modes: Sequence[str]) -> None:
+  """`fit_plan`'s `fsdp_modes` × `deterministic=True`: only gather_once is exact."""
+  sharded = [m for m in fsdp_modes if m != "gather_once"]
+  if sharded:
+    raise ValueError(
+      f"deterministic=True and fsdp_modes={list(fsdp_modes)!r} do not combine: "
+      f"{sharded} reduce-scatter floating gradients inside the loop, whose "
+      "rounding depends on K and the devices. Pass fsdp_modes=['gather_once'], "
+      "or leave fsdp_modes out (with deterministic=True fit_plan then tries "
+      "gather_once alone)."
+    )
 
 
 def deterministic_and_terms(

@@ -167,6 +167,10 @@ def _largest(terms: jax.Array) -> jax.Array:
   """
   if not terms.size:
     return jnp.zeros((), terms.dtype)
+  if any(e is not None for e in getattr(jax.typeof(terms).sharding, "spec", ())):
+    # Sharded over an explicit mesh axis (tensor parallel): a reshape would
+    # need an output sharding, a plain reduce does not.
+    return jnp.max(jnp.abs(terms))
   lanes = math.gcd(terms.size, 256)
   return jnp.max(jnp.max(jnp.abs(terms).reshape(-1, lanes), axis=0))
 
@@ -295,10 +299,7 @@ def scatter(acc: Acc, how: Any, axes: Sequence[str]) -> jax.Array:
   """
   ((top, bad),) = _global_tops([acc], axes)
   rest = tuple(a for a in axes if a not in how.axes)
-  bins = [
-    jax.lax.psum_scatter(b, how.axes, scatter_dimension=how.dim, tiled=True)
-    for b in _integers(_align(acc, top))
-  ]
+  bins = [how.scatter(b) for b in _integers(_align(acc, top))]
   if rest:
     bins = jax.lax.psum(bins, rest)
   return value(Acc(tuple(bins), top, bad > 0))

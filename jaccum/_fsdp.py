@@ -33,6 +33,27 @@ from jax.extend.core import Jaxpr, Literal, Var
 from jaccum import _reduce
 
 
+def psum_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """`lax.psum_scatter(x, axes)` along `dim`, tiled, whatever `x`'s type shards.
+
+  On an explicit mesh an FSDP × tensor parallel gradient (`P("data",
+  "model")` on `jax.make_mesh`'s default mesh) reaches the scatter typed as
+  sharded over `"model"`, and JAX's reduce-scatter over the manual data
+  axes asserts on such an operand. A `shard_map` over the explicit axes
+  makes them manual too: each tensor-parallel shard is scattered on its own,
+  which is the same sum.
+  """
+  scatter = lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True)
+  spec = tuple(getattr(jax.typeof(x).sharding, "spec", ()))
+  explicit = {
+    a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))
+  }
+  if not explicit or (dim < len(spec) and spec[dim] is not None):
+    return scatter(x)
+  spec = jax.P(*spec)
+  return jax.shard_map(scatter, in_specs=spec, out_specs=spec, axis_names=explicit)(x)
+
+
 class Sharded(NamedTuple):
   """An array split along `dim` over the mesh `axes`, each device holding a slice.
 
@@ -55,9 +76,7 @@ class Sharded(NamedTuple):
     """The sum over `axes` of `whole`, each device keeping its slice."""
     narrow = self.wire is not None and jnp.issubdtype(whole.dtype, jnp.floating)
     sent = whole.astype(self.wire) if narrow else whole
-    shard = jax.lax.psum_scatter(
-      sent, self.axes, scatter_dimension=self.dim, tiled=True
-    )
+    shard = psum_scatter(sent, self.axes, self.dim)
     return shard.astype(whole.dtype)
 
   def sliced(self) -> Sharded | None:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from jaccum import _peak, _timing
+from jaccum import _compose, _peak, _timing
 from jaccum._accumulate import accumulate
 from jaccum._cost import (
   CostModel,
@@ -568,13 +568,22 @@ def _grad_fns(
 
 
 def _fsdp_modes(
-  fsdp_modes: Sequence[str] | None, given_mode: str | None, on_mesh: bool
+  fsdp_modes: Sequence[str] | None,
+  given_mode: str | None,
+  on_mesh: bool,
+  deterministic: bool = False,
 ) -> list[str | None]:
-  """The modes to choose from: those given, the one given, or all on a mesh."""
+  """The modes to choose from: those given, the one given, or all on a mesh.
+
+  With `deterministic=True` only `"gather_once"` is exact: the default grid
+  keeps it alone, and sharded modes asked for by name are refused.
+  """
   if fsdp_modes is None:
     if given_mode is not None:
       return [given_mode]
-    return list(FSDP_MODES) if on_mesh else [None]
+    if not on_mesh:
+      return [None]
+    return ["gather_once"] if deterministic else list(FSDP_MODES)
   if isinstance(fsdp_modes, str) or not fsdp_modes:
     raise TypeError(
       f"fsdp_modes must be a non-empty sequence of {FSDP_MODES}, got {fsdp_modes!r}."
@@ -586,6 +595,8 @@ def _fsdp_modes(
       "fsdp_modes choose among FSDP modes, which need data_parallel's "
       "param_specs=... (or fsdp_mode=...); pass them, or leave fsdp_modes out."
     )
+  if deterministic:
+    _compose.deterministic_and_fsdp_modes(fsdp_modes)
   return sorted(set(fsdp_modes), key=FSDP_MODES.index)
 
 
@@ -643,7 +654,8 @@ def _search_for(
   options = dict(accumulate_kwargs)
   given_mode = options.pop("fsdp_mode", None)
   on_mesh = "param_specs" in options or given_mode is not None
-  modes = _fsdp_modes(fsdp_modes, given_mode, on_mesh)
+  deterministic = bool(options.get("deterministic", False))
+  modes = _fsdp_modes(fsdp_modes, given_mode, on_mesh, deterministic)
   first = grad_fns[remats[0].name]
   check = dict(options, **({"fsdp_mode": modes[0]} if modes[0] else {}))
   transform, ks, shards = _prepare(first, args, candidates, check)
@@ -919,7 +931,9 @@ def fit_plan(
       `(name, policy)` pairs. Defaults to no remat,
       `"dots_with_no_batch_dims_saveable"` and `"nothing_saveable"`.
     fsdp_modes: the FSDP modes to choose from with `param_specs`; defaults
-      to all three there (and to the one given as `fsdp_mode`, if any).
+      to all three there (and to the one given as `fsdp_mode`, if any), and
+      to `"gather_once"` alone with `deterministic=True`, which refuses the
+      other two.
     cost_model: the constants of the prediction; defaults to
       `CostModel.calibrate()` with `calibrate=True`, else to
       `CostModel.default()`.

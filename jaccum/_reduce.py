@@ -271,9 +271,12 @@ def init(leaves: Any, out_shape: Any, num_microbatches: int) -> Any:
     if leaf.exact:
       return _exact.zeros(leaf.shape, leaf.carry_dtype, _full_like(shape))
     if leaf.scattered is not None:
-      return _full(
-        jax.ShapeDtypeStruct(leaf.shape, leaf.carry_dtype), 0, leaf.carry_dtype
+      # The shard keeps the gradient's explicit axes (tensor parallel, as in
+      # P("data", "model")): the scatter hands it back typed so.
+      shard = jax.ShapeDtypeStruct(
+        leaf.shape, leaf.carry_dtype, sharding=getattr(shape, "sharding", None)
       )
+      return _full(shard, 0, leaf.carry_dtype)
     if leaf.mode == "concat":
       return _full(shape, 0, leaf.dtype, lead=(num_microbatches,))
     if leaf.mode in ("max", "min"):

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaccum import _reduce
+from jaccum import _compose, _reduce
 from jaccum._accumulate import accumulate
 from jaccum._parallel import FsdpMode, data_parallel
 
@@ -244,6 +244,8 @@ def value_and_grad(
         f"rng), the arguments of loss_fn; got {2 + len(args)} positional arguments."
       )
     threads = bool(jax.tree.leaves(batch_stats))
+    if threads and options.get("deterministic"):
+      _compose.deterministic_and_batch_stats()
     slots: list[Any] = []  # where the statistics sat in aux, found when traced
 
     def step(params, batch_stats, batch, *key, **kwargs):

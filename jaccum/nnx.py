@@ -15,7 +15,7 @@ except ModuleNotFoundError as e:  # Flax is an optional dependency of jaccum.
     raise
   raise ImportError('jaccum.nnx needs Flax: pip install "jaccum[flax]"') from e
 
-from jaccum import _reduce
+from jaccum import _compose, _reduce
 from jaccum._accumulate import accumulate
 from jaccum._parallel import FsdpMode, data_parallel
 
@@ -71,6 +71,22 @@ def _check_no_shared_variables(named_nodes: list[tuple[str, Any]]) -> None:
           "(and use model.rngs, model.submodule in loss_fn), or as an argument "
           "the model does not hold."
         )
+
+
+def _refuse_threaded_for_deterministic(states: Sequence[Any]) -> None:
+  """`deterministic=True` × variables that would thread: named, not `state_argnum`.
+
+  `accumulate` would refuse the state it is handed at a position the user
+  never passed; the variables' paths say what to change.
+  """
+  found = [
+    f"{'/'.join(map(str, path))} ({type(variable).__name__})"
+    for state in states
+    for path, variable in nnx.to_flat_state(state)
+    if jax.tree.leaves(variable)
+  ]
+  if found:
+    _compose.deterministic_and_model_state(found)
 
 
 class _Mesh(NamedTuple):
@@ -330,6 +346,8 @@ def _transform(
     if not jax.tree.leaves((params, other)):
       raise ValueError(f"the model holds no variables matching wrt={wrt!r}.")
     nodes_def, nodes_state = nnx.split(call.nodes)
+    if options.get("deterministic"):
+      _refuse_threaded_for_deterministic([other, rest, nodes_state])
     step = _micro_step(
       loss_fn,
       has_aux,

@@ -215,6 +215,60 @@ def test_a_state_with_arrays_is_refused_an_empty_one_threads():
     jax.jit(stateful)(params, batch, {"count": jnp.int32(0)}, key)
 
 
+def test_wrappers_name_the_variables_they_would_thread_not_a_state_argnum():
+  """jaccum.nnx and jaccum.linen pass their state at a position the caller
+  never wrote: the refusal names the model's variables or `batch_stats`, and
+  the key-passing way out runs, the same bits for every split."""
+  flax = pytest.importorskip("flax")
+  import flax.linen as nn
+
+  import jaccum.linen
+  import jaccum.nnx
+
+  nnx = flax.nnx
+  x, y = _normal(0, (32, 8)), np.arange(32) % 4
+
+  def held(model, x, y):  # the model's own nnx.Rngs feeds its dropout
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+  rngs = nnx.Rngs(0)
+  model = nnx.Sequential(nnx.Linear(8, 4, rngs=rngs), nnx.Dropout(0.2, rngs=rngs))
+  refused = r"deterministic=True and a model .*layers/1/rngs/count \(RngCount\)"
+  with pytest.raises(ValueError, match=refused):
+    jaccum.nnx.grad(held, 4, deterministic=True)(model, x, y)
+
+  def keyed(model, x, y, key):  # the way out the message names
+    logits = nnx.Dropout(0.2)(model(x), rngs=nnx.Rngs(dropout=key))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  key, grads = jax.random.key(1), []
+  for k, devices in [(8, 1), (2, 4)]:
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    grad = jaccum.nnx.grad(keyed, k, deterministic=True, rng_argnum=3, mesh=mesh)
+    grads.append(nnx.jit(grad)(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), x, y, key))
+  assert_same_bits(grads[1], grads[0])
+
+  class Norm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.BatchNorm(use_running_average=False)(nn.Dense(4)(x))
+
+  variables = Norm().init(jax.random.key(2), x)
+
+  def linen_loss(params, batch_stats, batch):
+    logits, new = Norm().apply(
+      {"params": params, "batch_stats": batch_stats}, batch["x"],
+      mutable=["batch_stats"],
+    )  # fmt: skip
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean(), new
+
+  step = jaccum.linen.value_and_grad(linen_loss, 4, has_aux=True, deterministic=True)
+  with pytest.raises(ValueError, match="deterministic=True and batch_stats holding"):
+    step(variables["params"], variables["batch_stats"], {"x": x, "y": y})
+
+
 def test_exact_sums_are_order_free_and_within_their_bound():
   """Terms over eleven decades, summed in orders and groupings (devices) at random."""
   from fractions import Fraction

@@ -151,6 +151,68 @@ def test_fsdp_with_tensor_parallelism_is_the_whole_batch_gradient(
     assert grad.sharding.is_equivalent_to(NamedSharding(mesh, specs[name]), grad.ndim)
 
 
+def _column_parallel(mesh_shape, fsdp):
+  """A column-parallel layer on `jax.make_mesh`'s default (explicit) mesh.
+
+  Its matmul contracts an unsharded dimension, so the model runs on an
+  explicit mesh as written; params, batch and the float64 reference.
+  """
+  rng = np.random.default_rng(0)
+  w = (rng.normal(size=(8, 16)) / 3).astype(np.float32)
+  v = (rng.normal(size=(16,)) / 4).astype(np.float32)
+  x = rng.normal(size=(32, 8)).astype(np.float32)
+  devices = jax.devices()[: int(np.prod(mesh_shape))]
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"), devices=devices)
+  specs = {"w": P("data" if fsdp else None, "model"), "v": P("model")}
+  params = {"w": w, "v": v}
+  params = {
+    k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in params.items()
+  }
+  batch = jax.device_put(x, NamedSharding(mesh, P("data")))
+  with jax.enable_x64():
+    want = jax.grad(_column_loss)(
+      {"w": np.float64(w), "v": np.float64(v)}, np.float64(x)
+    )  # fmt: skip
+  return mesh, specs, params, batch, jax.tree.map(np.float32, want)
+
+
+def _column_loss(params, x):
+  return jnp.mean((jnp.tanh(x @ params["w"]) * params["v"]) ** 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp_with_tensor_parallelism_on_an_explicit_mesh(mode):
+  """On `jax.make_mesh`'s default mesh the gradients arrive typed as sharded
+  over "model": the reduce-scatter asserted in JAX (gather_once's after the
+  loop, shard_grads' inside it) and shard_grads' carry started untyped."""
+  mesh, specs, params, batch, want = _column_parallel((4, 2), fsdp=True)
+  step = jaccum.data_parallel(
+    jax.grad(_column_loss), 2, mesh=mesh, param_specs=specs, fsdp_mode=mode
+  )
+  grads = jax.jit(step)(params, batch)
+  assert_trees_close(jax.device_get(grads), want, rtol=1e-5)
+  if mode != "shard_all":  # shard_all's gradient leaves without its "model" axis
+    for name, grad in grads.items():
+      assert grad.sharding.spec == specs[name], (name, grad.sharding)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tensor_parallel", "fsdp_tp"])
+def test_deterministic_with_tensor_parallelism_on_an_explicit_mesh(fsdp):
+  """The exact sums' maximum reshaped a "model"-sharded gradient, which an
+  explicit mesh refuses; the bits are the same whatever K and the devices."""
+  bits = []
+  for num_microbatches, devices in [(4, 2), (2, 4)]:
+    mesh, specs, params, batch, want = _column_parallel((devices, 2), fsdp)
+    step = jaccum.data_parallel(
+      jax.grad(_column_loss), num_microbatches, mesh=mesh, param_specs=specs,
+      deterministic=True,
+    )  # fmt: skip
+    grads = jax.device_get(jax.jit(step)(params, batch))
+    assert_trees_close(grads, want, rtol=1e-5)
+    bits.append([np.asarray(g).view(np.uint32) for g in jax.tree.leaves(grads)])
+  assert all(map(np.array_equal, *bits))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_by_axis_the_model_axis_communicates_in_the_loop_the_data_axes_after(case):
   """gather_once: whatever the model axes do inside the loop, nothing crosses a

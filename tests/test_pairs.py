@@ -946,6 +946,41 @@ def refuse_deterministic_and_state():
   jax.jit(step)(make_params(jnp.float32), make_batch(0), make_state())
 
 
+def refuse_deterministic_and_nnx_rngs():
+  from flax import nnx
+
+  import jaccum.nnx
+
+  rngs = nnx.Rngs(0)
+  model = nnx.Sequential(nnx.Linear(1, 2, rngs=rngs), nnx.Dropout(0.5, rngs=rngs))
+  loss = lambda model, x: jnp.mean(model(x))
+  jaccum.nnx.grad(loss, K, deterministic=True)(model, np.ones((8, 1), np.float32))
+
+
+def refuse_deterministic_and_linen_batch_stats():
+  import jaccum.linen
+
+  def loss(params, batch_stats, x):
+    return jnp.mean(x * params["w"]), {"batch_stats": {"mean": batch_stats["mean"]}}
+
+  step = jaccum.linen.value_and_grad(loss, K, has_aux=True, deterministic=True)
+  step({"w": jnp.ones(())}, {"mean": jnp.zeros(())}, np.ones((8, 1), np.float32))
+
+
+def refuse_deterministic_and_fit_plans_sharded_modes():
+  mesh = jax.make_mesh((8,), ("data",))
+  jaccum.fit_plan(
+    lambda remat: jax.grad(lambda w, x: jnp.mean(x @ w)),
+    jax.ShapeDtypeStruct((8, 2), jnp.float32),
+    jax.ShapeDtypeStruct((64, 8), jnp.float32),
+    memory_budget=1 << 30,
+    mesh=mesh,
+    param_specs=P("data"),
+    deterministic=True,
+    fsdp_modes=["gather_once", "shard_all"],
+  )
+
+
 def refuse_deterministic_and_fsdp(mode):
   mesh, params, batch = refusal_setup()
   step = jaccum.data_parallel(
@@ -1035,6 +1070,15 @@ REFUSALS = {
       for mode in ("shard_grads", "shard_all")
     ],
     r"deterministic=True and fsdp_mode='shard_(grads|all)' do not combine",
+  ),
+  "`deterministic` × jaccum.nnx variables outside `wrt`, or jaccum.linen's "
+  "`batch_stats`, holding arrays": (
+    [refuse_deterministic_and_nnx_rngs, refuse_deterministic_and_linen_batch_stats],
+    r"deterministic=True and (a model .*rngs/count \(RngCount\)|batch_stats holding)",
+  ),
+  "`deterministic` × `fit_plan`'s sharded `fsdp_modes`": (
+    [refuse_deterministic_and_fit_plans_sharded_modes],
+    r"deterministic=True and fsdp_modes=\['gather_once', 'shard_all'\] do not",
   ),
   "`deterministic` × more than 512 micro-batches per device, or 2¹⁵ - 1 over "
   "all devices": (

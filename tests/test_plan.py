@@ -301,6 +301,37 @@ def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused
   np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-7)
 
 
+def test_deterministic_on_a_mesh_searches_gather_once_and_refuses_sharded_modes():
+  # The sharded modes refuse deterministic=True: the default grid used to try
+  # them and raise that refusal, for a mode the caller never named.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  specs = jax.P(None, "data")
+  ws = jax.random.normal(jax.random.key(0), (4, 64, 64)) / 8
+  x = jax.random.normal(jax.random.key(1), (8 * 8, 64))
+  ws = jax.device_put(ws, jax.NamedSharding(mesh, specs))
+  x = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
+
+  def make_grad_fn(remat):
+    def loss(ws, x):
+      layer = remat(lambda h, w: (jnp.tanh(h @ w), None))
+      return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    return jax.grad(loss)
+
+  options = dict(mesh=mesh, param_specs=specs, deterministic=True, cost_model=COST)
+  plan = jaccum.fit_plan(make_grad_fn, ws, x, memory_budget=1 << 40, **options)
+  assert {mode for _, _, mode in plan.tried} == {"gather_once"}
+  grads = jax.jit(plan.step(make_grad_fn))(ws, x)
+  want = jax.jit(make_grad_fn(_plan.Remat(None, None)))(ws, x)
+  np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-7)
+  refused = r"deterministic=True and fsdp_modes=.*shard_grads"
+  with pytest.raises(ValueError, match=refused):
+    jaccum.fit_plan(
+      make_grad_fn, ws, x, memory_budget=1 << 40,
+      fsdp_modes=["gather_once", "shard_grads"], **options,
+    )  # fmt: skip
+
+
 def test_no_configuration_fits():
   with pytest.raises(ValueError, match=r"no configuration fits .* smallest peak"):
     plan_for("mlp", 1000)
