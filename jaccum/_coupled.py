@@ -293,6 +293,11 @@ def _on_mesh(
   it), the passes run as the whole batch's step runs, with a warning.
   """
   route = _parallel._route(config, at, args, mesh, axes, None, "gather_once")
+  if route.num_devices == 1 and mesh.size > 1:
+    # As `data_parallel` does: XLA rejects an all-reduce over a manual axis
+    # of one device whose operand is split over another axis (data=1,
+    # model=2); with one device over the data axes, nothing is gathered.
+    return _two_passes(config, at, args, kwargs, loss_fn)
   # Params sharded over the data axes (on an explicit mesh) are gathered.
   call, placed, in_specs = _placement.placed_call(
     config,

@@ -57,6 +57,7 @@ from jaccum import (
   _compose,
   _config,
   _fsdp,
+  _jaxpr,
   _loop,
   _placement,
   _reduce,
@@ -524,6 +525,38 @@ def _reduce_on_mesh(
   return reduced(acc, total, state, stats, reduce_state)
 
 
+def _one_device_over_the_data_axes(
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  route: Route,
+  num_real: Any,
+) -> Any:
+  """The loop where the data axes hold one device (data=1, model=2).
+
+  Nothing is reduced, and XLA's partitioner rejects an all-reduce over a
+  manual axis of one device whose operand is split over another axis: the
+  loop runs as on one device, the other axes left to XLA as in the whole
+  batch's step. FSDP's params are read whole over the data axes (there is
+  one device to gather from).
+  """
+  args = list(args)
+  if route.specs is not None:
+    leaves, tree = jax.tree.flatten(args[0])
+    leaves = [
+      x
+      if spec is None
+      else _placement.place(
+        x, route.mesh, _jaxpr.without_axes(spec, route.axes), route.explicit
+      )
+      for x, spec in zip(leaves, route.specs, strict=True)
+    ]
+    args[0] = jax.tree.unflatten(tree, leaves)
+  count = None if num_real is None else jnp.reshape(num_real, ())
+  return _loop.run(config, at, args, kwargs, count)
+
+
 def run(
   config: Config,
   at: Positions,
@@ -546,6 +579,8 @@ def run(
   """
   route = _route(config, at, args, mesh, axes, param_specs, fsdp_mode)
   num_real = _count(config, num_real, route, unsharded_meaning)
+  if route.num_devices == 1 and mesh.size > 1 and config.reduce_fn is None:
+    return _one_device_over_the_data_axes(config, at, args, kwargs, route, num_real)
   try:
     stacked, local = _per_device(config, at, args, kwargs, route, num_real)
   except Exception as error:

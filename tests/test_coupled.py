@@ -598,3 +598,30 @@ def test_big_vision_siglip_update_fn_ports_by_splitting_its_loss_fn():
   plain = jaccum.accumulate(jax.value_and_grad(whole_loss), 4)
   # (9.25 against 10.45: each row sees 15 negatives, not 63.)
   assert abs(float(plain(params, batch)[0]) / float(want[0]) - 1) > 0.05
+
+
+def test_a_data_axis_of_one_device_runs_as_one_device():
+  """(data=1, model=2) with params split over "model": XLA rejects an
+  all-reduce over a manual axis of one device, so both passes run as on one
+  device, the model axis left to XLA."""
+  mesh = jax.make_mesh(
+    (1, 2),
+    ("data", "model"),
+    axis_types=(AxisType.Auto,) * 2,
+    devices=jax.devices()[:2],
+  )
+  encode_fn, loss_fn, params, batch = make_problem("clip")
+  model_split = {"w1": P(None, "model"), "w2": P("model", None)}
+  params = {
+    k: {n: jax.device_put(w, NamedSharding(mesh, model_split[n])) for n, w in v.items()}
+    if isinstance(v, dict)
+    else v
+    for k, v in params.items()
+  }
+  batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  step = jaccum.accumulate_coupled(encode_fn, loss_fn, 4, mesh=mesh, axis="data")
+  assert_trees_close(
+    jax.jit(step)(params, batch),
+    whole_batch(encode_fn, loss_fn)(params, batch),
+    rtol=1e-5,
+  )

@@ -446,3 +446,42 @@ def test_specs_that_drop_the_model_axis_make_xla_rematerialise_and_the_check_see
   with stderr_of_xla() as stderr:
     accumulated(model, nnx_batch(mesh))
   assert "Involuntary full rematerialization" in stderr[0]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_a_data_axis_of_one_device_runs_the_model_axis_as_the_whole_batch_does(
+  axis_type,
+):
+  """(data=1, model=2), as on a machine of two devices used for tensor
+  parallelism: XLA rejects an all-reduce over a manual axis of one device
+  whose operand is split over another, so the loop runs as on one device.
+  Every mode, a count of shape [1] and deterministic=True stay exact."""
+  mesh = jax.make_mesh(
+    (1, 2), ("data", "model"), axis_types=(axis_type,) * 2, devices=jax.devices()[:2]
+  )
+  rng = np.random.default_rng(0)
+  whole = {
+    "w": (rng.normal(size=(8, 16)) / 3).astype(np.float32),
+    "v": (rng.normal(size=(16,)) / 4).astype(np.float32),
+  }
+  x = rng.normal(size=(16, 8)).astype(np.float32)
+  specs = {"w": P("data", "model"), "v": P("model")}
+  params = {
+    k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in whole.items()
+  }
+  batch = jax.device_put(x, NamedSharding(mesh, P("data")))
+  grad_fn = jax.grad(_column_loss)
+  with jax.enable_x64():
+    to64 = lambda t: jax.tree.map(np.float64, t)
+    want = jax.tree.map(np.float32, grad_fn(to64(whole), np.float64(x)))
+    # Three of four micro-batches: rows k, k + 4, ... for k < 3 (strided).
+    kept = np.float64(x.reshape(4, 4, 8)[:, :3].reshape(12, 8))
+    want_kept = jax.tree.map(np.float32, grad_fn(to64(whole), kept))
+  for options in [{"fsdp_mode": m, "param_specs": specs} for m in MODES] + [
+    {"deterministic": True}
+  ]:
+    step = jax.jit(jaccum.data_parallel(grad_fn, 4, mesh=mesh, **options))
+    assert_trees_close(jax.device_get(step(params, batch)), want, rtol=1e-5)
+  step = jax.jit(jaccum.data_parallel(grad_fn, 4, mesh=mesh))
+  got = step(params, batch, num_real_microbatches=jnp.array([3]))
+  assert_trees_close(jax.device_get(got), want_kept, rtol=1e-5)
