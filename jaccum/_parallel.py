@@ -525,6 +525,25 @@ def _reduce_on_mesh(
   return reduced(acc, total, state, stats, reduce_state)
 
 
+def _typed_as_params(result: Any, local: _loop.Local, route: Route) -> Any:
+  """On an explicit mesh, FSDP gradients typed as their params are.
+
+  `"shard_all"`'s gradients come out of the per-use gathers' transposes
+  without the params' other axes (`P("data", None)` for a param `P("data",
+  "model")`); each device already holds what the param's own type asks for
+  of them, so the reshard is a local slice.
+  """
+  if not route.explicit or route.specs is None:
+    return result
+  leaves, tree = jax.tree.flatten(result)
+  grads = [i for i, g in enumerate(jax.tree.leaves(local.grad_mask)) if g]
+  for i, spec in zip(grads, route.specs, strict=True):
+    typed = getattr(jax.typeof(leaves[i]).sharding, "spec", None)
+    if spec is not None and typed is not None and tuple(typed) != tuple(spec):
+      leaves[i] = _placement.place(leaves[i], route.mesh, spec, explicit=True)
+  return jax.tree.unflatten(tree, leaves)
+
+
 def _one_device_over_the_data_axes(
   config: Config,
   at: Positions,
@@ -606,6 +625,7 @@ def run(
   result, state, estimates, reduce_state = _reduce_on_mesh(
     config, local, stacked, route, layout, reduce_state
   )
+  result = _typed_as_params(result, local, route)
   result = jax.tree.map(
     lambda p, r: np.zeros(p.shape, jax.dtypes.float0) if p.mode == "float0" else r,
     local.leaves,

@@ -184,16 +184,16 @@ def _column_loss(params, x):
 def test_fsdp_with_tensor_parallelism_on_an_explicit_mesh(mode):
   """On `jax.make_mesh`'s default mesh the gradients arrive typed as sharded
   over "model": the reduce-scatter asserted in JAX (gather_once's after the
-  loop, shard_grads' inside it) and shard_grads' carry started untyped."""
+  loop, shard_grads' inside it), shard_grads' carry started untyped, and
+  shard_all's gradients left without their "model" axis."""
   mesh, specs, params, batch, want = _column_parallel((4, 2), fsdp=True)
   step = jaccum.data_parallel(
     jax.grad(_column_loss), 2, mesh=mesh, param_specs=specs, fsdp_mode=mode
   )
   grads = jax.jit(step)(params, batch)
   assert_trees_close(jax.device_get(grads), want, rtol=1e-5)
-  if mode != "shard_all":  # shard_all's gradient leaves without its "model" axis
-    for name, grad in grads.items():
-      assert grad.sharding.spec == specs[name], (name, grad.sharding)
+  for name, grad in grads.items():
+    assert grad.sharding.spec == specs[name], (name, grad.sharding)
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["tensor_parallel", "fsdp_tp"])
