@@ -151,14 +151,16 @@ def _measure(
   norms: Sequence[jax.Array],
   weight: Any,
   rows: int,
+  split: Sequence[str],
 ) -> tuple[Any, jax.Array]:
   """One scalar per micro-step: all the gradient noise scale needs.
 
   `whole_grads` marks the gradients held whole in `out`; scattered ones
-  (FSDP) were measured whole before their scatter (`norms`).
+  (FSDP) were measured whole before their scatter (`norms`). Over the axes
+  `split` the norm is this device's share, summed after the loop.
   """
   w = jnp.asarray(rows if weight is None else weight, jnp.float32)
-  norm = _stats.sq_norm(out, whole_grads) + sum(norms, jnp.float32(0))
+  norm = _stats.sq_norm(out, whole_grads, split) + sum(norms, jnp.float32(0))
   sq_sum, count = stats
   term = jnp.where(w != 0, w * norm, 0)
   sq_sum = _exact.add(sq_sum, term) if _exact.is_acc(sq_sum) else sq_sum + term
@@ -226,8 +228,13 @@ def _initial_carry(
   weighing: Weighing | None,
   config: Config,
   axes: tuple[str, ...] | None,
+  split: Sequence[str],
 ) -> Carry:
-  """The carry before the first micro-batch, typed as the loop will make it."""
+  """The carry before the first micro-batch, typed as the loop will make it.
+
+  The noise scale's sum of squared norms varies over `split` too: there each
+  device measures its slices of the gradients.
+  """
   num_microbatches = config.num_microbatches
   acc = _reduce.init(leaves, step.out_shape, num_microbatches)
   total = None
@@ -243,6 +250,7 @@ def _initial_carry(
       stats0 = (_reduce.exact_weights(jnp.float32).total, stats0[1])
     if axes is not None:
       stats0 = _collective.cast_varying(stats0, axes)
+    stats0 = (_collective.cast_varying(stats0[0], split), stats0[1])
   return Carry(_collective.match_varying(acc, step.out_shape), state0, total, stats0)
 
 
@@ -392,11 +400,12 @@ def scan(
     out, state, norms = step(leaves_in, index, scattered, weight)
     new = _fold(leaves, carry, out, state, weight, index)
     if carry.stats is not None:
-      stats = _measure(carry.stats, out, whole_grads, norms, weight, rows)
+      stats = _measure(carry.stats, out, whole_grads, norms, weight, rows, split)
       new = new._replace(stats=stats)
     return new if active is None else _gate(active, new, carry, leaves)
 
-  carry = _initial_carry(leaves, step, state0, weighing, config, axes)
+  split = _stats.split_axes(step.out_shape, grad_mask, axes)
+  carry = _initial_carry(leaves, step, state0, weighing, config, axes, split)
   carry = _drive(body, carry, config, num_real, lockstep)
   return Local(
     leaves,
@@ -613,6 +622,9 @@ def run(
     result = _reduce.none_ran(local.leaves, result, ran)
   out = result if at.state is None else (result, state)
   if config.return_stats:
-    grad_sq_norm = _stats.sq_norm(result, local.grad_mask)
+    split = _stats.split_axes(local.out_shape, local.grad_mask, config.axes)
+    grad_sq_norm = _stats.sq_norm(result, local.grad_mask, split)
+    if split:  # each device measured its slices of the gradients
+      grad_sq_norm, extras[0] = jax.lax.psum((grad_sq_norm, extras[0]), split)
     out = out, stats_of(local, extras, total, num_terms, grad_sq_norm)
   return out if config.reduce_fn is None else (out, reduce_state)

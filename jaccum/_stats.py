@@ -17,12 +17,16 @@ nonzero weight: the small batch size is `B_small = W / K'`, and `B_big = W`.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+
+from jaccum import _collective
 
 
 class AccumulationStats(NamedTuple):
@@ -76,12 +80,17 @@ class AccumulationStats(NamedTuple):
   microbatch_weight: jax.Array
 
 
-def sq_norm(tree: Any, mask: Any) -> jax.Array:
+def sq_norm(tree: Any, mask: Any, split: Sequence[str] = ()) -> jax.Array:
   """The squared norm of the leaves of `tree` where `mask`, as a float32 scalar.
 
   Each leaf's |x|² is summed in float32 or wider (bfloat16 gradients are
   not summed in bfloat16, float64 ones stay float64); the result is float32
   whatever the leaves, as the loop's scalar carry and `AccumulationStats` are.
+
+  `split` names manual mesh axes over which some leaves hold slices (tensor
+  parallelism inside the user's `shard_map`): the result is then this
+  device's share of a psum over them, so a leaf the same on every device of
+  an axis counts once, not once per device.
   """
   terms = [
     jnp.sum(
@@ -91,11 +100,32 @@ def sq_norm(tree: Any, mask: Any) -> jax.Array:
         )
       )
     ).astype(jnp.float32)
+    / _copies(x, split)
     for x, on in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True)
     # float0 leaves (gradients of integer inputs) are zeros with no values.
     if on and jnp.result_type(x) != jax.dtypes.float0
   ]
   return sum(terms, jnp.zeros((), jnp.float32))
+
+
+def _copies(x: Any, split: Sequence[str]) -> int:
+  """How many devices of the axes `split` hold the same `x`."""
+  same = [a for a in split if a not in _collective.varying_axes(x)]
+  return math.prod(jax.lax.axis_size(a) for a in same)
+
+
+def split_axes(shapes: Any, mask: Any, axes: Sequence[str] | None) -> tuple[str, ...]:
+  """The manual mesh axes, other than the data `axes`, that leaves vary over.
+
+  Inside the user's `shard_map`, a gradient that varies over such an axis
+  (`"model"`) is this device's slice of its param's gradient: its |g|² is a
+  part of the whole, to be summed over the axis.
+  """
+  found = set()
+  for x, on in zip(jax.tree.leaves(shapes), jax.tree.leaves(mask), strict=True):
+    if on:
+      found |= _collective.varying_axes(x)
+  return tuple(sorted(found - set(axes or ())))
 
 
 def estimate(

@@ -369,6 +369,64 @@ def test_inside_shard_map_with_axis_name():
   assert_matches(stats, reference(W_TEST, x, y, None, per_device(64, 2)))
 
 
+def tensor_parallel_loss(params, x, y):
+  """One model shard's loss: the psum over "model" completes `h @ v`."""
+  h = jnp.tanh(x @ params["w"])
+  return 0.5 * jnp.mean((jax.lax.psum(h @ params["v"], "model") + params["c"] - y) ** 2)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_inside_shard_map_with_params_split_over_a_model_axis(kind, deterministic):
+  """Tensor parallelism in the user's `shard_map` (data 4 × model 2): each
+  device measures its slices of w's and v's gradients and all of c's; the
+  figures are those of the unsplit model on the 4 data devices."""
+  k = jax.random.split(jax.random.key(3), 5)
+  params = {
+    "w": jax.random.normal(k[0], (8, 16)) / 3,  # hidden units split over "model"
+    "v": jax.random.normal(k[1], (16,)) / 3,
+    "c": jax.random.normal(k[2], ()),  # the same on every device
+  }
+  x, y = jax.random.normal(k[3], (96, 8)), jax.random.normal(k[4], (96,))
+  options = {"deterministic": True} if deterministic else {}
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+  specs = {"w": P(None, "model"), "v": P("model"), "c": P()}
+  step = jaccum.accumulate(
+    jax.grad(tensor_parallel_loss),
+    3,
+    batch_argnums=(1, 2),
+    axis_name="data",
+    return_stats=True,
+    **options,
+  )
+  step = jax.shard_map(
+    step, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=(specs, P())
+  )
+  put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
+  placed = {name: put(a, specs[name]) for name, a in params.items()}
+  _, stats = jax.jit(step)(placed, put(x, P("data")), put(y, P("data")))
+
+  def whole_loss(params, x, y):
+    h = jnp.tanh(x @ params["w"])
+    return 0.5 * jnp.mean((h @ params["v"] + params["c"] - y) ** 2)
+
+  # Each data device's 24 rows in 3 micro-batches of 8: 12 in all, in float64.
+  with jax.enable_x64(True):
+    params64, x64, y64 = jax.tree.map(
+      lambda a: np.asarray(a, np.float64), (params, x, y)
+    )
+    micro = []
+    for d in range(4):
+      block = np.arange(24 * d, 24 * d + 24)
+      for j in range(3):
+        rows = block[8 * j : 8 * j + 8] if deterministic else block[j::3]
+        micro.append(jax.grad(whole_loss)(params64, x64[rows], y64[rows]))
+    sq = lambda g: sum(float(jnp.sum(leaf**2)) for leaf in jax.tree.leaves(g))
+    mean = jax.tree.map(lambda *g: sum(g) / len(g), *micro)
+    expected = (np.mean([sq(g) for g in micro]), sq(mean), 96, 8)
+  assert_matches(stats, expected)
+
+
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
 def test_the_stats_ride_in_the_one_all_reduce(kind):
   """No collective in the loop; the scalars join the gradients' all-reduce."""
