@@ -606,9 +606,13 @@ def run(
     if not _loop.is_user_error(error):
       raise  # jaccum's own: the options or the output are wrong either way
     if num_real is not None or config.reduce_fn is not None:
+      named = [("num_real_microbatches", num_real), ("reduce_fn", config.reduce_fn)]
+      given = [name for name, value in named if value is not None]
       raise ValueError(
-        "num_real_microbatches and reduce_fn need the per-device loop, which "
-        f"cannot run grad_fn here ({type(error).__name__}: {error})"
+        f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} the "
+        "per-device loop, which cannot run grad_fn here "
+        f"(without it the step would run as the whole batch does): "
+        f"{type(error).__name__}: {error}"
       ) from error
     return _as_the_whole_batch(
       config, at, args, kwargs, mesh, axes, route.explicit, error

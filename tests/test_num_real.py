@@ -262,3 +262,29 @@ def test_one_count_per_device_on_an_explicit_mesh_as_the_caller_makes_it():
     ]
   )
   assert_trees_close(got, jax.grad(loss)(W, x[rows], y[rows]), rtol=1e-5)
+
+
+def test_a_count_where_the_per_device_loop_cannot_run_names_the_count_alone():
+  """A tensor-parallel model whose matmul JAX refuses on an explicit 2-D mesh
+  (its contraction is split over "model"): without a count the step runs as
+  the whole batch does and fails with JAX's message; with one, the error
+  names num_real_microbatches, not a reduce_fn that was never given."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))  # explicit
+  specs = {"w": P(None, "model"), "v": P("model")}
+
+  def tp_loss(params, x, y):
+    return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+
+  params = {"w": jnp.ones((3, 4)), "v": jnp.ones(4)}
+  params = {
+    n: jax.device_put(a, NamedSharding(mesh, specs[n])) for n, a in params.items()
+  }
+  x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in data(7, batch=32))
+  step = jaccum.data_parallel(
+    jax.grad(tp_loss), 2, mesh=mesh, batch_argnums=(1, 2), param_specs=specs
+  )
+  with pytest.raises(ValueError) as caught:
+    jax.jit(step)(params, x, y, num_real_microbatches=jnp.asarray([2, 1, 0, 2]))
+  message = str(caught.value)
+  assert message.startswith("num_real_microbatches needs the per-device loop")
+  assert "reduce_fn" not in message and "Contracting dimensions are sharded" in message
