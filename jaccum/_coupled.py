@@ -310,15 +310,9 @@ def _on_mesh(
     explicit=route.explicit,
     keep_sharded=False,
   )
-  flat, treedef = jax.tree.flatten(call)
-  dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
 
   def per_device(*arrays):
-    it = iter(arrays)
-    full = [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
-    local_args, local_kwargs, bound_args, bound_kwargs = jax.tree.unflatten(
-      treedef, full
-    )
+    local_args, local_kwargs, bound_args, bound_kwargs = _placement.refill(call, arrays)
     local = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
     return _two_passes(local, at, local_args, local_kwargs, loss_fn, axes)
 

@@ -57,7 +57,6 @@ from jaccum import (
   _compose,
   _config,
   _fsdp,
-  _jaxpr,
   _loop,
   _placement,
   _reduce,
@@ -331,8 +330,6 @@ def _per_device(
     explicit=route.explicit,
     keep_sharded=route.fsdp is not None and any(route.fsdp.params),
   )
-  flat, treedef = jax.tree.flatten(call)
-  dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
   count_varies = num_real is not None and np.ndim(num_real) == 1
   if num_real is not None:
     # Laid out as the loop reads it: on an explicit mesh a count per device
@@ -347,10 +344,7 @@ def _per_device(
     if num_real is not None:
       *arrays, local_num_real = arrays
       local_num_real = jnp.reshape(local_num_real, (-1,))[0]
-    it = iter(arrays)
-    local_args, local_kwargs, bound_args, bound_kwargs = jax.tree.unflatten(
-      treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
-    )
+    local_args, local_kwargs, bound_args, bound_kwargs = _placement.refill(call, arrays)
     local = _loop.scan(
       config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs),
       at,
@@ -557,21 +551,22 @@ def _one_device_over_the_data_axes(
   Nothing is reduced, and XLA's partitioner rejects an all-reduce over a
   manual axis of one device whose operand is split over another axis: the
   loop runs as on one device, the other axes left to XLA as in the whole
-  batch's step. FSDP's params are read whole over the data axes (there is
-  one device to gather from).
+  batch's step. The arguments are laid out as for the per-device loop, so
+  params split over the data axes are read whole (from the one device).
   """
-  args = list(args)
-  if route.specs is not None:
-    leaves, tree = jax.tree.flatten(args[0])
-    leaves = [
-      x
-      if spec is None
-      else _placement.place(
-        x, route.mesh, _jaxpr.without_axes(spec, route.axes), route.explicit
-      )
-      for x, spec in zip(leaves, route.specs, strict=True)
-    ]
-    args[0] = jax.tree.unflatten(tree, leaves)
+  call, placed, _ = _placement.placed_call(
+    config,
+    at,
+    args,
+    kwargs,
+    route.specs,
+    mesh=route.mesh,
+    axes=route.axes,
+    explicit=route.explicit,
+    keep_sharded=False,
+  )
+  args, kwargs, bound_args, bound_kwargs = _placement.refill(call, placed)
+  config = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
   count = None if num_real is None else jnp.reshape(num_real, ())
   return _loop.run(config, at, args, kwargs, count)
 

@@ -213,6 +213,19 @@ def placed_inputs(
   return placed, in_specs
 
 
+def refill(call: Any, arrays: Sequence[Any]) -> Any:
+  """`call` with its array leaves replaced, in order, by `arrays`.
+
+  `arrays` are the leaves `placed_inputs` laid out, or what a `shard_map`
+  hands each device of them.
+  """
+  flat, treedef = jax.tree.flatten(call)
+  it = iter(arrays)
+  return jax.tree.unflatten(
+    treedef, [next(it) if isinstance(x, ARRAY_TYPES) else x for x in flat]
+  )
+
+
 def placed_call(
   config: Config,
   at: Positions,
