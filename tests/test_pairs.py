@@ -866,7 +866,7 @@ def refuse_reduce_fn_and_reduce_dtype():
   )
 
 
-def refuse_reduce_fn_and_fsdp(mode):
+def refuse_fsdp_and(mode, option, **call):
   mesh, params, batch = refusal_setup()
   step = jaccum.data_parallel(
     make_grad_fn(False, False),
@@ -874,9 +874,13 @@ def refuse_reduce_fn_and_fsdp(mode):
     mesh=mesh,
     param_specs=fsdp_specs("data"),
     fsdp_mode=mode,
-    reduce_fn=exact_psum,
+    **option,
   )
-  jax.jit(step)(params, batch, reduce_state=None)
+  jax.jit(step)(params, batch, **call)
+
+
+def refuse_reduce_fn_and_fsdp(mode):
+  refuse_fsdp_and(mode, {"reduce_fn": exact_psum}, reduce_state=None)
 
 
 def refuse_reduce_fn_on_one_device():
@@ -982,16 +986,7 @@ def refuse_deterministic_and_fit_plans_sharded_modes():
 
 
 def refuse_deterministic_and_fsdp(mode):
-  mesh, params, batch = refusal_setup()
-  step = jaccum.data_parallel(
-    make_grad_fn(False, False),
-    K,
-    mesh=mesh,
-    param_specs=fsdp_specs("data"),
-    fsdp_mode=mode,
-    deterministic=True,
-  )
-  jax.jit(step)(params, batch)
+  refuse_fsdp_and(mode, {"deterministic": True})
 
 
 def refuse_deterministic_and_too_many_microbatches():

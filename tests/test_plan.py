@@ -258,11 +258,13 @@ def test_a_policy_of_your_own_is_tried_and_named():
   assert plan.grid_size == 2 * len(CANDIDATES)
 
 
-def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused():
+def layers_on_a_mesh(width, rows_per_device):
+  """4 tanh layers stacked for a scan, FSDP over 8 devices: the mesh, the
+  params' spec, the params and batch placed, and `make_grad_fn`."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   specs = jax.P(None, "data")
-  ws = jax.random.normal(jax.random.key(0), (4, 256, 256)) / 16
-  x = jax.random.normal(jax.random.key(1), (8 * 16, 256))
+  ws = jax.random.normal(jax.random.key(0), (4, width, width)) / np.sqrt(width)
+  x = jax.random.normal(jax.random.key(1), (8 * rows_per_device, width))
   ws = jax.device_put(ws, jax.NamedSharding(mesh, specs))
   x = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
 
@@ -273,6 +275,11 @@ def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused
 
     return jax.grad(loss)
 
+  return mesh, specs, ws, x, make_grad_fn
+
+
+def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused():
+  mesh, specs, ws, x, make_grad_fn = layers_on_a_mesh(256, 16)
   generous = jaccum.fit_plan(
     make_grad_fn, ws, x, memory_budget=1 << 40, mesh=mesh, param_specs=specs,
     cost_model=COST,
@@ -304,20 +311,7 @@ def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused
 def test_deterministic_on_a_mesh_searches_gather_once_and_refuses_sharded_modes():
   # The sharded modes refuse deterministic=True: the default grid used to try
   # them and raise that refusal, for a mode the caller never named.
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-  specs = jax.P(None, "data")
-  ws = jax.random.normal(jax.random.key(0), (4, 64, 64)) / 8
-  x = jax.random.normal(jax.random.key(1), (8 * 8, 64))
-  ws = jax.device_put(ws, jax.NamedSharding(mesh, specs))
-  x = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
-
-  def make_grad_fn(remat):
-    def loss(ws, x):
-      layer = remat(lambda h, w: (jnp.tanh(h @ w), None))
-      return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
-
-    return jax.grad(loss)
-
+  mesh, specs, ws, x, make_grad_fn = layers_on_a_mesh(64, 8)
   options = dict(mesh=mesh, param_specs=specs, deterministic=True, cost_model=COST)
   plan = jaccum.fit_plan(make_grad_fn, ws, x, memory_budget=1 << 40, **options)
   assert {mode for _, _, mode in plan.tried} == {"gather_once"}
