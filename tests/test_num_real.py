@@ -36,6 +36,17 @@ def data(seed=0, batch=K * ROWS):
 W = jnp.asarray([0.3, -0.7, 1.1])
 
 
+def rows_that_ran(counts, batch_size):
+  """The batch's rows that device d's first counts[d] micro-batches hold."""
+  per_device = batch_size // len(counts)
+  return np.concatenate(
+    [
+      first(n, np.arange(d * per_device, (d + 1) * per_device))
+      for d, n in enumerate(counts)
+    ]
+  )
+
+
 def first(n, x, split="strided", capacity=K):
   """The rows of micro-batches 0..n-1 of `x`, in that split's order."""
   if split == "contiguous":
@@ -166,13 +177,7 @@ def test_devices_with_different_counts_give_the_exact_weighted_result():
   )
   batch = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
   got = step(W, *batch, num_real_microbatches=jnp.asarray(counts))
-  per_device = len(x) // 4
-  rows = np.concatenate(
-    [
-      first(n, np.arange(d * per_device, (d + 1) * per_device))
-      for d, n in enumerate(counts)
-    ]
-  )
+  rows = rows_that_ran(counts, len(x))
   assert_trees_close(got, jax.grad(loss)(W, x[rows], y[rows]), rtol=1e-5)
   assert (
     jaccum.inspect.collectives(
@@ -254,13 +259,7 @@ def test_one_count_per_device_on_an_explicit_mesh_as_the_caller_makes_it():
   )
   batch = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
   got = step(W, *batch, num_real_microbatches=jnp.asarray(counts))
-  per_device = len(x) // 4
-  rows = np.concatenate(
-    [
-      first(n, np.arange(d * per_device, (d + 1) * per_device))
-      for d, n in enumerate(counts)
-    ]
-  )
+  rows = rows_that_ran(counts, len(x))
   assert_trees_close(got, jax.grad(loss)(W, x[rows], y[rows]), rtol=1e-5)
 
 
