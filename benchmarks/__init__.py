@@ -41,7 +41,7 @@ Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`
 
 * `python -m benchmarks.conv_kinds`: each kind of convolution in a loop body,
   rewritten or as traced, the measurements behind the rule of
-  `jaccum/_conv_layout.py`;
+  `jaccum/_core/rewrites.py`;
 * `python -m benchmarks.conv_layout`: the tutorial CNN with and without the
   rewrite, and its compile time over K;
 * `python -m benchmarks.profile_loop_ops`: ops a loop body runs slower than

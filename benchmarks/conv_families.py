@@ -53,7 +53,7 @@ from optax import microbatching
 
 import jaccum
 from benchmarks import _measure
-from jaccum import _conv_layout
+from jaccum._core import rewrites as _conv_layout
 from jaccum.inspect import _instructions
 
 TOLERANCE = 1e-4

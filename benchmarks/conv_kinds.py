@@ -5,7 +5,7 @@ library kernels and any other on a generic loop nest it emits itself; in the
 entry computation it makes every convolution canonical, in a loop body it
 cannot (see `jaccum/_conv_layout.py`). Which of the two is faster depends on
 the kind of convolution, and this script measures it, for the rule
-`jaccum._conv_layout` applies.
+`jaccum._core.rewrites` applies.
 
 The kinds: dimensionality 1-D, 2-D, 3-D; groups: none, 4 groups, depthwise
 (as many groups as input channels); the forward convolution plain, strided (2),
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _measure, _record
-from jaccum import _conv_layout
+from jaccum._core import rewrites as _conv_layout
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 NUM_MICROBATCHES = 4
@@ -306,7 +306,7 @@ def table(record: dict[str, Any]) -> str:
       f"{canonical} more convolutions (the channels-last forwards) are canonical "
       "as traced: nothing to rewrite. Sizes (rows, channels, spatial) by "
       f"dimensionality: {record['sizes']}. Command: `{record['command']}`.\n",
-      "Rule: what `jaccum._conv_layout` does with it; right: whether that is "
+      "Rule: what `jaccum._core.rewrites` does with it; right: whether that is "
       "the faster form (if not, how much slower the rule's choice is).\n",
       markdown_table(
         [

@@ -1,5 +1,5 @@
 """Benchmark: the Flax tutorial's CNN accumulated in a scan, with and without the
-CPU convolution rewrite (`jaccum._conv_layout`), against the whole batch and
+CPU convolution rewrite (`jaccum._core.rewrites`), against the whole batch and
 `optax.microbatching.microbatch`.
 
 The model is the Flax NNX MNIST tutorial's CNN (3x3 convolutions of 32 and 64
@@ -38,7 +38,7 @@ from optax import microbatching
 from sklearn.datasets import load_digits
 
 from benchmarks import _record
-from jaccum._conv_layout import canonicalize_convolutions
+from jaccum._core.rewrites import canonicalize_convolutions
 
 BATCH = 64
 

@@ -9,7 +9,7 @@ input. For each schedule it reports, from the compiled step:
 * temporaries per device against K (`jaccum.inspect.memory`), K from 2S up,
   the batch growing with K;
 * matmul FLOPs per device and step against K, read from the compiled HLO
-  (`jaccum._hlo_cost`): each loop's body times its trip count, each tick's
+  (`jaccum._planning.hlo_cost`): each loop's body times its trip count, each tick's
   conditionals at their costliest branch, as XLA's cost analysis counts a
   conditional: the work of the tick's busiest device, summed over the ticks;
 * FLOPs per tick (`compiled.cost_analysis()`, which counts a loop's body
@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaccum  # noqa: E402
 import jaccum.inspect  # noqa: E402
 from benchmarks import _record, report  # noqa: E402
-from jaccum import _hlo_cost  # noqa: E402
+from jaccum._planning import hlo_cost as _hlo_cost  # noqa: E402
 
 NUM_STAGES = 4
 NUM_BLOCKS = 8

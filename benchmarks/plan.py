@@ -334,7 +334,8 @@ def figures(
   `evaluate` checks that its search's peak for the chosen point agrees.
   """
   import jaccum.inspect
-  from jaccum import _cost, _fit
+  from jaccum._planning import cost as _cost
+  from jaccum._planning import fit as _fit
 
   stats = jaccum.inspect._memory_of(compiled)
   rows = jax.tree.leaves(model.args[1])[0].shape[0]
@@ -461,7 +462,7 @@ def evaluate(
     "model_best": point(model_best),
     # Within the model's tie margin of the best it predicts for the grid.
     "model_best_found": chosen["predicted_s"]
-    <= model_best["predicted_s"] * (1 + jaccum._plan.TIE),
+    <= model_best["predicted_s"] * (1 + jaccum._planning.fit_plan.TIE),
     # The search's compile of the chosen point agrees with the grid's.
     "peak_agrees": plan.peak_bytes == chosen["peak_bytes"],
     "full_remat_smallest_k": point(baseline),
@@ -586,7 +587,7 @@ def run(
   return {
     "rounds": rounds,
     "cost_model": cost_model._asdict(),
-    "tie": jaccum._plan.TIE,
+    "tie": jaccum._planning.fit_plan.TIE,
     "goals": {
       "vs_best": GOAL_VS_BEST,
       "vs_full_remat": GOAL_VS_FULL_REMAT,

@@ -50,7 +50,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 from benchmarks import _record
 from benchmarks import models as suite_models
-from jaccum._conv_layout import canonicalize_convolutions
+from jaccum._core.rewrites import canonicalize_convolutions
 
 NUM_MICROBATCHES = 8
 SLOWER = 1.3  # loop/unrolled above this is timed again with 3x the rounds

@@ -363,7 +363,7 @@ def pipeline_section(pipeline: dict[str, Any]) -> str:
       "B, W ≈ 1 per tick).\n",
       schedules,
       "\nMatmul MFLOP per device and step, read from the compiled HLO "
-      "(`jaccum._hlo_cost`): each loop's body times its trip count, each "
+      "(`jaccum._planning.hlo_cost`): each loop's body times its trip count, each "
       "conditional at its costliest branch, as XLA counts one: per tick, the "
       "work of the device that works the most.\n",
       flop_table,

@@ -2,22 +2,23 @@
 
 import importlib
 
-from jaccum._accumulate import accumulate
-from jaccum._coupled import accumulate_coupled
-from jaccum._fit import MicrobatchFit, fit_microbatches, fit_train_step
-from jaccum._microbatch import split_microbatches
-from jaccum._multisteps import MultiSteps, MultiStepsState
-from jaccum._parallel import data_parallel
-from jaccum._pipeline import pipeline
-from jaccum._pipeline_schedule import PipelineSchedule, pipeline_schedule
-from jaccum._plan import CostModel, Plan, PlanPoint, Remat, fit_plan
-from jaccum._powersgd import PowerSGD, PowerSGDState
-from jaccum._schedule import (
+from jaccum._core.microbatch import split_microbatches
+from jaccum._core.stats import AccumulationStats
+from jaccum._pipeline.front import pipeline
+from jaccum._pipeline.tables import PipelineSchedule, pipeline_schedule
+from jaccum._planning.cost import CostModel
+from jaccum._planning.fit import MicrobatchFit, fit_microbatches, fit_train_step
+from jaccum._planning.fit_plan import Plan, PlanPoint, Remat, fit_plan
+from jaccum._routes.accumulate import accumulate, data_parallel
+from jaccum._routes.coupled import accumulate_coupled
+from jaccum._training.multisteps import MultiSteps, MultiStepsState
+from jaccum._training.noise_scale import NoiseScaleEMA, NoiseScaleEMAState
+from jaccum._training.powersgd import PowerSGD, PowerSGDState
+from jaccum._training.schedule import (
   BatchSchedule,
   BatchSizeController,
   BatchSizeControllerState,
 )
-from jaccum._stats import AccumulationStats, NoiseScaleEMA, NoiseScaleEMAState
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,26 @@ __all__ = [
   "pipeline_schedule",
   "split_microbatches",
 ]
+
+
+def _documented_here(obj: object) -> None:
+  """Gives a public name the module the documentation puts it in, `jaccum`.
+
+  Pickles of public classes (optimizer states in checkpoints) then name
+  `jaccum.MultiStepsState`, which stays wherever the private module that
+  defines it moves. A class's own functions follow it, so that doctest
+  still finds their examples.
+  """
+  obj.__module__ = __name__
+  for member in vars(obj).values() if isinstance(obj, type) else ():
+    function = getattr(member, "fget", getattr(member, "__func__", member))
+    if callable(function) and hasattr(function, "__module__"):
+      function.__module__ = __name__
+
+
+for _name in __all__:
+  _documented_here(globals()[_name])
+del _name
 
 
 def __getattr__(name: str):

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaccum import _compose, _reduce
-from jaccum._accumulate import accumulate
-from jaccum._parallel import FsdpMode, data_parallel
+from jaccum._core.step import Function
+from jaccum._routes import options as options_lib
+from jaccum._routes import plan, rules, wrappers
+from jaccum._routes.accumulate import FsdpMode
 
 __all__ = ["value_and_grad"]
 
@@ -78,7 +78,7 @@ def _warn_per_example_aux(rest: Any, reduce: Any, rows: int) -> None:
     modes = jax.tree.broadcast(reduce, ((0.0, rest), 0.0))[0][1]
   except ValueError:
     return  # accumulate names the bad reduce tree
-  _reduce.warn_averaged_rows(
+  wrappers.warn_averaged_rows(
     rest,
     modes,
     rows,
@@ -218,15 +218,21 @@ def value_and_grad(
     if not callable(weight_fn):
       raise TypeError(f"weight_fn must be callable or None, got {weight_fn!r}.")
     options["weight_fn"] = lambda params, batch_stats, batch, *key: weight_fn(batch)
-  reduce = options.get("reduce", "mean")
   grad_leaves = ((False, False), True) if has_aux else (False, True)
   on_mesh = None
   if mesh is not None or param_specs is not None or fsdp_mode != "gather_once":
-    on_mesh = functools.partial(
-      data_parallel, mesh=mesh, axis=axis, param_specs=param_specs, fsdp_mode=fsdp_mode
-    )
-  # Check num_microbatches and the options now rather than at the first call.
-  accumulate(loss_fn, num_microbatches, state_argnum=1, **options)
+    on_mesh = options_lib.on_mesh(mesh, axis, param_specs, fsdp_mode, options)
+  # Built once: every call differs only in the key's position and the step.
+  base = options_lib.make(
+    loss_fn,
+    num_microbatches,
+    **options,
+    batch_argnums=2,
+    state_argnum=1,
+    grad_leaves=grad_leaves,
+    on_mesh=on_mesh,
+  )
+  reduce = base.reduce
 
   def accumulated(params: Any, batch_stats: Any, *args: Any, **kwargs: Any) -> Any:
     if "rng" in kwargs:
@@ -244,8 +250,8 @@ def value_and_grad(
         f"rng), the arguments of loss_fn; got {2 + len(args)} positional arguments."
       )
     threads = bool(jax.tree.leaves(batch_stats))
-    if threads and options.get("deterministic"):
-      _compose.deterministic_and_batch_stats()
+    if base.deterministic:
+      rules.check("linen", threads)
     slots: list[Any] = []  # where the statistics sat in aux, found when traced
 
     def step(params, batch_stats, batch, *key, **kwargs):
@@ -264,17 +270,12 @@ def value_and_grad(
       _warn_per_example_aux(rest, reduce, rows)
       return ((loss, rest), grads), new_stats
 
-    run = (on_mesh or accumulate)(
-      step,
-      num_microbatches,
-      **options,
-      batch_argnums=2,
-      rng_argnum=3 if len(args) == 2 else None,
-      state_argnum=1,
-      grad_leaves=grad_leaves,
+    this = base.replace(
+      function=Function(step), rng_argnum=3 if len(args) == 2 else None
     )
-    result, stats = run(params, batch_stats, *args, **kwargs), None
-    if options.get("return_stats"):
+    call = plan.Call((params, batch_stats, *args), kwargs)
+    result, stats = plan.run(this, call), None
+    if base.return_stats:
       result, stats = result
     out, new_stats = result
     if has_aux:

@@ -15,9 +15,10 @@ except ModuleNotFoundError as e:  # Flax is an optional dependency of jaccum.
     raise
   raise ImportError('jaccum.nnx needs Flax: pip install "jaccum[flax]"') from e
 
-from jaccum import _compose, _reduce
-from jaccum._accumulate import accumulate
-from jaccum._parallel import FsdpMode, data_parallel
+from jaccum._core.step import Function
+from jaccum._routes import options as options_lib
+from jaccum._routes import plan, rules, wrappers
+from jaccum._routes.accumulate import FsdpMode
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -85,8 +86,7 @@ def _refuse_threaded_for_deterministic(states: Sequence[Any]) -> None:
     for path, variable in nnx.to_flat_state(state)
     if jax.tree.leaves(variable)
   ]
-  if found:
-    _compose.deterministic_and_model_state(found)
+  rules.check("nnx", found)
 
 
 class _Mesh(NamedTuple):
@@ -213,7 +213,7 @@ def _warn_per_example_aux(
     modes = jax.tree.broadcast(reduce, out)
   except ValueError:
     return  # accumulate names the bad reduce tree
-  _reduce.warn_averaged_rows(
+  wrappers.warn_averaged_rows(
     aux,
     modes[0][1] if return_value else modes[1],
     rows,
@@ -285,15 +285,17 @@ def _micro_step(
   return step
 
 
-def _accumulator(
-  step: Callable[..., Any],
+def _options(
+  loss_fn: Callable[..., Any],
   num_microbatches: int,
   options: dict[str, Any],
-  on_mesh: _Mesh | None,
-  call: _Call,
   grad_leaves: Any,
-) -> Callable[..., Any]:
-  """`accumulate`, or `data_parallel` on a mesh, of the micro-step."""
+) -> options_lib.Options:
+  """`accumulate`'s options as every call of the wrapper uses them, checked once.
+
+  The positions (the batch, the key, the threaded state) depend on each
+  call's arguments and are set per call.
+  """
   options = dict(options)
   if (weight_fn := options.get("weight_fn")) is not None:
     # The user's weight_fn sees the micro-batch: not the params, the graph
@@ -301,23 +303,22 @@ def _accumulator(
     options["weight_fn"] = lambda params, *args: weight_fn(
       *(a for a in args[:-1] if a is not None)
     )
-  if call.key is not None:
-    options["rng_argnum"] = call.key
-  options.update(
-    batch_argnums=call.batch,
-    state_argnum=len(call.args) + 1,
-    grad_leaves=grad_leaves,
+  options.pop("batch_argnums", None)
+  options.pop("rng_argnum", None)
+  return options_lib.make(
+    loss_fn, num_microbatches, state_argnum=0, grad_leaves=grad_leaves, **options
   )
-  if on_mesh is None:
-    return accumulate(step, num_microbatches, **options)
-  return data_parallel(step, num_microbatches, **on_mesh._asdict(), **options)
 
 
-def _with_specs(on_mesh: _Mesh | None, params: Any) -> _Mesh | None:
+def _with_specs(on_mesh: _Mesh | None, params: Any) -> options_lib.Mesh | None:
   """The mesh route with each param's spec: given, or its sharding metadata's."""
-  if on_mesh is None or on_mesh.param_specs is not None:
-    return on_mesh
-  return on_mesh._replace(param_specs=_specs_of(params))
+  if on_mesh is None:
+    return None
+  if on_mesh.param_specs is None:
+    on_mesh = on_mesh._replace(param_specs=_specs_of(params))
+  return options_lib.on_mesh(
+    on_mesh.mesh, on_mesh.axis, on_mesh.param_specs, on_mesh.fsdp_mode, {}
+  )
 
 
 def _transform(
@@ -337,8 +338,9 @@ def _transform(
     grad_leaves = ((False, False), True) if has_aux else (False, True)
   else:
     grad_leaves = (True, False) if has_aux else True
-  # Check num_microbatches and the options now rather than at the first call.
-  accumulate(loss_fn, num_microbatches, state_argnum=0, **options)
+  base = _options(loss_fn, num_microbatches, options, grad_leaves)
+  if on_mesh is not None:  # checked now rather than at the first call
+    options_lib.on_mesh(on_mesh.mesh, on_mesh.axis, None, on_mesh.fsdp_mode, {})
 
   def accumulated(model: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     call = _sorted_call(model, args, kwargs, options)
@@ -346,24 +348,22 @@ def _transform(
     if not jax.tree.leaves((params, other)):
       raise ValueError(f"the model holds no variables matching wrt={wrt!r}.")
     nodes_def, nodes_state = nnx.split(call.nodes)
-    if options.get("deterministic"):
+    if base.deterministic:
       _refuse_threaded_for_deterministic([other, rest, nodes_state])
     step = _micro_step(
-      loss_fn,
-      has_aux,
-      return_value,
-      wrt,
-      graphdef,
-      nodes_def,
-      call,
-      options.get("reduce", "mean"),
+      loss_fn, has_aux, return_value, wrt, graphdef, nodes_def, call, base.reduce
     )
-    run = _accumulator(
-      step, num_microbatches, options, _with_specs(on_mesh, params), call, grad_leaves
+    this = base.replace(
+      function=Function(step),
+      batch_argnums=call.batch,
+      rng_argnum=call.key,
+      state_argnum=len(call.args) + 1,
+      on_mesh=_with_specs(on_mesh, params),
     )
-    result = run(params, *call.args, (other, rest, nodes_state), **call.kwargs)
+    arguments = (params, *call.args, (other, rest, nodes_state))
+    result = plan.run(this, plan.Call(arguments, call.kwargs))
     stats = None
-    if options.get("return_stats"):
+    if base.return_stats:
       result, stats = result
     out, (new_other, new_rest, new_nodes) = result
     nnx.update(model, new_other, new_rest)

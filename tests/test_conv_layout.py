@@ -21,9 +21,9 @@ from jax.extend.core import jaxprs_in_params, primitives
 
 import jaccum
 import jaccum.nnx
-from jaccum import _conv_layout
-from jaccum._collective import cast_varying
-from jaccum._conv_layout import canonicalize_convolutions
+from jaccum._core import rewrites as _conv_layout
+from jaccum._core.rewrites import canonicalize_convolutions
+from jaccum._core.varying import cast_varying
 from jaccum.inspect import _instructions
 
 NUM_MICROBATCHES = 4

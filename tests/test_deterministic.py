@@ -273,7 +273,7 @@ def test_exact_sums_are_order_free_and_within_their_bound():
   """Terms over eleven decades, summed in orders and groupings (devices) at random."""
   from fractions import Fraction
 
-  from jaccum import _exact
+  from jaccum._core import exact as _exact
 
   rng = np.random.default_rng(0)
   scales = 10.0 ** rng.uniform(-8, 3, size=24)
@@ -349,7 +349,7 @@ def test_sharded_fsdp_modes_many_terms_and_complex_leaves_are_refused():
 
 
 def _exact_max():
-  from jaccum import _exact
+  from jaccum._core import exact as _exact
 
   return _exact.MAX_TERMS
 

@@ -18,7 +18,7 @@ import pytest
 
 import jaccum
 import jaccum.inspect
-from jaccum import _fit
+from jaccum._planning import fit as _fit
 
 SDS = jax.ShapeDtypeStruct
 BATCH = 1024

@@ -32,8 +32,8 @@ generator: while some pair of levels is uncovered, it starts a case from the
 first uncovered pair and gives every other option the level that covers the
 most uncovered pairs with the levels chosen so far (the best of a few seeded
 orders of the options). Pairs that jaccum
-refuses (the table in `jaccum/_compose.py`) never enter a case; each is
-tested on its own below, for an error whose message names both options.
+refuses (the rules of `jaccum/_routes/rules.py`) never enter a case; each
+rule is met on its own below, for an error whose message names both options.
 
 The reference (`reference`) does not call jaccum: a Python loop over
 devices d and micro-batches k, in float64, takes `jax.value_and_grad` of the
@@ -63,7 +63,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaccum
-from jaccum import _compose
+from jaccum._routes import rules
 
 DEVICES, K, ROWS = 8, 4, 2  # devices, micro-batches per device, rows of each
 BATCH = DEVICES * K * ROWS
@@ -273,7 +273,7 @@ ROUTES = {
 
 
 def refused(a, b):
-  """Whether two (option, level) pairs are refused (jaccum/_compose.py's table)."""
+  """Whether two (option, level) pairs are refused (a rule of jaccum's table)."""
   levels = dict((a, b))
   if len(levels) < 2:
     return False
@@ -994,6 +994,11 @@ def refuse_deterministic_and_too_many_microbatches():
   step(1.0, np.zeros((513, 1), np.float32))
 
 
+def refuse_stats_of_one_batch_size():
+  step = jaccum.accumulate(make_grad_fn(False, False), 1, return_stats=True)
+  jax.jit(step)(make_params(jnp.float32), make_batch(0))
+
+
 def refuse_stats_of_summed_gradients():
   step = jaccum.accumulate(
     make_grad_fn(False, False), K, return_stats=True, reduce=(("mean", "mean"), "sum")
@@ -1001,8 +1006,8 @@ def refuse_stats_of_summed_gradients():
   jax.jit(step)(make_params(jnp.float32), make_batch(0))
 
 
-# Each row of jaccum/_compose.py's table that says "refused", as the table
-# writes it: how to meet that pair, and what the message must name.
+# Each rule of jaccum's table (`rules.RULES`), by its name: how to meet that
+# pair, and what the message must name.
 REFUSALS = {
   "`reduce_fn` × `reduce_dtype`": (
     [refuse_reduce_fn_and_reduce_dtype],
@@ -1038,6 +1043,10 @@ REFUSALS = {
     [refuse_last_and_contiguous_on_a_sharded_batch],
     r'reduce="last" at output\[0\]\[1\]\[\'last\'\] with split="contiguous" and a '
     r"batch sharded",
+  ),
+  "`return_stats` × one batch size": (
+    [refuse_stats_of_one_batch_size],
+    r"return_stats=True estimates the gradient noise from two batch sizes",
   ),
   "`return_stats` × gradients not averaged": (
     [refuse_stats_of_summed_gradients],
@@ -1083,23 +1092,9 @@ REFUSALS = {
 }
 
 
-def refused_rows_of_the_table():
-  """The pairs jaccum/_compose.py's table says are refused, one string each."""
-  lines = _compose.__doc__.splitlines()
-  rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
-  width = len(lines[rules[0]].split()[0])
-  rows = []
-  for line in lines[rules[1] + 1 : rules[2]]:
-    pair, rule = line[:width].strip(), line[width:].strip()
-    if rule.startswith(("refused", "exact")):
-      rows.append([pair, rule])
-    else:  # a row continued on the next line
-      rows[-1] = [f"{rows[-1][0]} {pair}".strip(), f"{rows[-1][1]} {rule}"]
-  return {pair for pair, rule in rows if rule.startswith("refused")}
-
-
 def test_the_refusals_tested_are_the_tables():
-  assert set(REFUSALS) == refused_rows_of_the_table()
+  """Every rule is met here, and nothing here names a rule that does not exist."""
+  assert set(REFUSALS) == {rule.name for rule in rules.RULES}
 
 
 REFUSAL_CASES = [

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaccum
 import jaccum.inspect
-from jaccum import _hlo_cost
-from jaccum._pipeline_schedule import _Ticks, zero_bubble_tables
+from jaccum._pipeline.tables import _Ticks, zero_bubble_tables
+from jaccum._planning import hlo_cost as _hlo_cost
 
 NUM_STAGES = 4
 WIDTH = 8

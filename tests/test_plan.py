@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 import jaccum
-from jaccum import _fit, _plan, _timing
+from jaccum._planning import fit as _fit
+from jaccum._planning import fit_plan as _plan
+from jaccum._planning import timing as _timing
 
 SDS = jax.ShapeDtypeStruct
 POLICIES = _plan.DEFAULT_POLICIES

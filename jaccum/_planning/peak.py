@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from jaccum._fit import _format_bytes
+from jaccum._planning.fit import _format_bytes
 
 if TYPE_CHECKING:
   from jaccum.inspect import MemoryStats

@@ -1,8 +1,9 @@
-"""`accumulate`: run a gradient function over K micro-batches in one `lax.scan`.
+"""The public fronts: `accumulate` and `data_parallel`.
 
-The public entry point decides where the loop runs, once, at the top: on this
-device (`_loop`), or, for a batch sharded over explicit mesh axes, on every
-device over its own rows (`_parallel`), which then combines the devices once.
+Each turns its keywords into `Options` when it is called (`options.make`:
+every keyword converted and checked once, the door's rules run), and
+returns a function whose every call is planned once per trace and run on
+its route (`plan.run`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,36 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from jaccum import _config, _loop, _parallel
-from jaccum._microbatch import Split
+from jaccum._core.microbatch import Split
+from jaccum._routes import options as options_lib
+from jaccum._routes import plan
+
+FsdpMode = Literal["gather_once", "shard_grads", "shard_all"]
+
+
+def _wrapped(grad_fn: Callable[..., Any], options: options_lib.Options) -> Any:
+  """The accumulated function: `grad_fn`'s signature, and the call-time keywords."""
+
+  # `updated=()`: the wrapper takes grad_fn's name and docstring, not its
+  # attributes (an Equinox module's fields would make it look like a module).
+  @functools.wraps(grad_fn, updated=())
+  def accumulated(*args, num_real_microbatches=None, reduce_state=None, **kwargs):
+    call = plan.Call(args, kwargs, num_real_microbatches, reduce_state)
+    return plan.run(options, call)
+
+  # No `__wrapped__` (functools.wraps sets it): Equinox follows it from any
+  # function it stores and warns "Possibly assigning a JAX-transformed
+  # callable" when it reaches a module, such as `eqx.filter_value_and_grad`'s.
+  # The signature stays visible to `inspect`.
+  del accumulated.__wrapped__
+  with contextlib.suppress(TypeError, ValueError):  # a builtin has none to show
+    accumulated.__signature__ = inspect.signature(grad_fn)  # pyright: ignore[reportAttributeAccessIssue]
+  return accumulated
 
 
 def accumulate(
@@ -229,7 +253,7 @@ def accumulate(
     >>> bool(jnp.allclose(grads, jax.grad(loss)(w, batch)))
     True
   """
-  config = _config.make_config(
+  options = options_lib.make(
     grad_fn,
     num_microbatches,
     batch_argnums=batch_argnums,
@@ -249,41 +273,128 @@ def accumulate(
     reduce_fn=reduce_fn,
     deterministic=deterministic,
   )
+  return _wrapped(grad_fn, options)
 
-  # `updated=()`: the wrapper takes grad_fn's name and docstring, not its
-  # attributes (an Equinox module's fields would make it look like a module).
-  @functools.wraps(grad_fn, updated=())
-  def accumulated(*args, num_real_microbatches=None, reduce_state=None, **kwargs):
-    at = _config.positions(config, args, kwargs)
-    num_real = num_real_microbatches
-    route = None if config.axes is not None else _parallel.explicit_batch_axes(args, at)
-    if route is None:
-      return _loop.run(config, at, args, kwargs, num_real, reduce_state)
-    mesh, axes = route
-    if at.state is not None and any(
-      jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-      for x in jax.tree.leaves(args[at.state])
-    ):
-      # Floating state (BatchNorm statistics) would be per device; counters
-      # and keys advance exactly as unsharded.
-      _parallel.warn_per_device_state(axes)
-    return _parallel.run(
-      config,
-      at,
-      args,
-      kwargs,
-      mesh=mesh,
-      axes=axes,
-      unsharded_meaning=True,
-      num_real=num_real,
-      reduce_state=reduce_state,
-    )
 
-  # No `__wrapped__` (functools.wraps sets it): Equinox follows it from any
-  # function it stores and warns "Possibly assigning a JAX-transformed
-  # callable" when it reaches a module, such as `eqx.filter_value_and_grad`'s.
-  # The signature stays visible to `inspect`.
-  del accumulated.__wrapped__
-  with contextlib.suppress(TypeError, ValueError):  # a builtin has none to show
-    accumulated.__signature__ = inspect.signature(grad_fn)  # pyright: ignore[reportAttributeAccessIssue]
-  return accumulated
+def data_parallel(
+  grad_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  axis: str | tuple[str, ...] = "data",
+  param_specs: Any = None,
+  fsdp_mode: FsdpMode = "gather_once",
+  **accumulate_kwargs: Any,
+) -> Callable[..., Any]:
+  """Accumulates over K micro-batches on every device, then reduces once.
+
+  Call the returned function under `jit` with global arrays whose batch is
+  sharded over `axis` (or will be: it is laid out per device here). Each
+  device runs K micro-batches of its own rows, as `accumulate` does: the
+  effective batch is devices × K × micro-batch, nothing communicates inside
+  the loop, and one all-reduce combines the devices after it. This holds for
+  meshes with auto and explicit axis types and for multi-axis meshes (only
+  `axis` is split over; other axes, e.g. `"model"`, keep their sharding).
+  `grad_fn` may reach its params any way (argument, keyword, closure,
+  `functools.partial`): it runs on each device's rows exactly as it would on
+  one device (under `shard_map` without type checks, as under `pmap`), so
+  any model that runs on one device runs here, and a closed-over array gets
+  its gradient, not the gradient summed over devices. On an explicit mesh
+  JAX cannot pass arrays placed on the mesh into `shard_map` by closure;
+  such a `grad_fn` runs as the whole-batch step would, on the sharded batch,
+  with a warning (exact, but XLA may communicate inside the loop). Code that
+  names `axis` runs per micro-batch across devices: `lax.pmean(x, axis)`
+  gives synchronised BatchNorm statistics (one all-reduce per micro-batch).
+
+  With `param_specs` (FSDP / ZeRO style), the first argument (the params)
+  arrives sharded as those specs say, and its gradients leave sharded like
+  them; on an explicit mesh the params' own sharding says this without
+  `param_specs`. `fsdp_mode` chooses what stays sharded inside the loop, for
+  P bytes of params on D devices, K micro-batches (per device; measured
+  figures in the data-parallel guide, `python -m benchmarks --parts fsdp`):
+
+  ===============  ===================  =============  =====================
+  mode             params in the loop   accumulator    on the wire per step
+  ===============  ===================  =============  =====================
+  `"gather_once"`  all, gathered once   all, float32   gather P, scatter 1×
+  `"shard_grads"`  all, gathered once   1/D (ZeRO-2)   gather P, scatter K×
+  `"shard_all"`    1/D, each use        1/D (ZeRO-3)   gather 2K×, scatter K×
+  ===============  ===================  =============  =====================
+
+  `"gather_once"`, the default, sends the fewest bytes and leaves each
+  micro-step as it is; it needs the whole params and a whole accumulator
+  on every device. `"shard_grads"` reduce-scatters each micro-batch's
+  gradients into an accumulator sharded like the params: about P × D−1/D
+  less memory (float32 accumulator) for K reduce-scatters instead of one.
+  `"shard_all"` keeps the params sharded too: each is all-gathered right
+  before each use, in the forward pass and again in the backward pass, and
+  never held whole; params a `lax.scan` slices (stacked layers with a leading
+  layer axis) are gathered one layer per iteration, and their gradients
+  scattered one layer per iteration. Nothing in the model changes. Pick the
+  first mode whose step fits (`fit_microbatches` and `fit_plan` tell, before
+  running). With `axis=("replica", "fsdp")` and `param_specs` naming only
+  `"fsdp"` (HSDP), the sharded modes reduce-scatter over `"fsdp"` inside the
+  loop and sum over `"replica"` once after it. The accumulator follows
+  `accum_dtype` (float32 by default) in every mode; a weighted mean then sums
+  `w·grad`, weighted on each device before the devices are summed.
+
+  Cross-example computations (BatchNorm statistics threaded with
+  `state_argnum`) see each device's rows, as in any data-parallel step;
+  threaded floating state is averaged over devices at the end, other state
+  (counters, keys) takes device 0's value. Keys differ per device and per
+  micro-batch: device d > 0 folds a key (`rng_argnum`, or one threaded as
+  state) with d first, and device 0 draws exactly as one device would, so a
+  key threaded as state comes back as the unsharded call leaves it.
+
+  Args:
+    grad_fn: as for `accumulate`.
+    num_microbatches: micro-batches per device, K.
+    mesh: the device mesh; defaults to the mesh set with `jax.set_mesh`, else
+      the mesh of the batch's sharding.
+    axis: the mesh axis (or axes) the batch is split over.
+    param_specs: a `PartitionSpec` per leaf of the first argument (or a pytree
+      prefix of it), naming only `axis`, for FSDP; `None` replicates it (or,
+      on an explicit mesh, reads its sharding).
+    fsdp_mode: `"gather_once"`, `"shard_grads"` or `"shard_all"`: what stays
+      sharded inside the loop (above).
+    **accumulate_kwargs: any other option of `accumulate` (`batch_argnums`,
+      `reduce`, `weight_fn`, `rng_argnum`, `state_argnum`, …);
+      `deterministic=True` gives the same bits on any number of devices
+      (with counts per device, over a padded batch too).
+
+  Returns:
+    A function with `grad_fn`'s signature, and `accumulate`'s keyword
+    `num_real_microbatches` (one count, or one per device: shape
+    `[devices]`; a device that runs fewer micro-batches skips them, and
+    nothing waits for it until the reduction, except with the sharded FSDP
+    modes, whose collectives inside the loop need every device: there the
+    devices run in step, as many micro-batches as the busiest, the others
+    joining with a weight of 0). `"mean"`, `"sum"`, `"max"` and
+    `"min"` leaves come back replicated, gradients of FSDP-sharded params
+    sharded like them, `"concat"` and `"last"` leaves (one row per example)
+    sharded over `axis`, in the batch's row order.
+
+  Raises:
+    TypeError, ValueError: as `accumulate` does, and if `axis` is not a mesh
+      axis, the batch does not split into devices × K micro-batches, or
+      `param_specs` does not fit the params.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaccum
+    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> x = jnp.arange(32.0 * len(jax.devices())).reshape(-1, 2) / 100
+    >>> step = jax.jit(jaccum.data_parallel(jax.grad(loss), 2, mesh=mesh))
+    >>> bool(jnp.allclose(step(jnp.ones(2), x), jax.grad(loss)(jnp.ones(2), x)))
+    True
+  """
+  on_mesh = options_lib.on_mesh(mesh, axis, param_specs, fsdp_mode, accumulate_kwargs)
+  options = options_lib.make(
+    grad_fn, num_microbatches, on_mesh=on_mesh, **accumulate_kwargs
+  )
+
+  def parallel(*args, num_real_microbatches=None, reduce_state=None, **kwargs):
+    call = plan.Call(args, kwargs, num_real_microbatches, reduce_state)
+    return plan.run(options, call)
+
+  return parallel

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaccum import _exact, _reduce
+from jaccum._core import accumulators, exact
 
 EveryK = int | Callable[[jax.Array], Any]
 SkipFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -43,7 +43,7 @@ class MultiStepsState(NamedTuple):
     skip_state: what `should_skip_update_fn` returned on the last call.
     acc_weight: float32, the sum of the weights accumulated in the window; None
       in a state converted from optax, which `update` reads as `mini_step`;
-      an exact sum (`_exact.Acc`) with `deterministic=True`, as `acc_grads`'s
+      an exact sum (`exact.Acc`) with `deterministic=True`, as `acc_grads`'s
       leaves are.
     emitted: bool, whether the call that returned this state applied the inner
       optimizer (what `MultiSteps.has_updated` reads).
@@ -71,7 +71,7 @@ class MultiStepsState(NamedTuple):
   inner_opt_state: Any
   acc_grads: Any
   skip_state: Any = ()
-  acc_weight: jax.Array | _exact.Acc | None = None
+  acc_weight: jax.Array | exact.Acc | None = None
   emitted: jax.Array | bool = False
   num_skipped: jax.Array | int = 0
 
@@ -104,7 +104,7 @@ def _check_steps(value: Any, where: str) -> Any:
 
 def _check_weight(weight: Any) -> jax.Array:
   """Checks a mini-step weight: a numeric scalar, and if concrete finite and >= 0."""
-  weight = _reduce.check_weight(weight, "weight must be")
+  weight = accumulators.check_weight(weight, "weight must be")
   try:
     value = float(weight)
   except jax.errors.ConcretizationTypeError:
@@ -189,7 +189,7 @@ class _MultiSteps:
     self._every_k_schedule = every_k_schedule
     self._use_grad_mean = bool(use_grad_mean)
     self._should_skip_update_fn = should_skip_update_fn
-    self._accumulator_dtype = _reduce.check_accum_dtype(
+    self._accumulator_dtype = accumulators.check_accum_dtype(
       accumulator_dtype, "accumulator_dtype"
     )
     self._update_jit = jax.jit(self._update)
@@ -223,7 +223,7 @@ class _MultiSteps:
     acc_weight = jnp.zeros([], jnp.float32)
     if self._deterministic:  # exact sums, in int32 slots (a window of any length)
       acc_grads = jax.tree.map(self._exact_zeros, params)
-      acc_weight = _exact.zeros((), jnp.float32, integers=True)
+      acc_weight = exact.zeros((), jnp.float32, integers=True)
     return MultiStepsState(
       mini_step=jnp.zeros([], jnp.int32),
       gradient_step=gradient_step,
@@ -235,7 +235,7 @@ class _MultiSteps:
       num_skipped=jnp.zeros([], jnp.int32),
     )
 
-  def _exact_zeros(self, param: Any) -> _exact.Acc:
+  def _exact_zeros(self, param: Any) -> exact.Acc:
     """An empty exact sum for `param`'s gradients, with its sharding and device."""
     shape = jnp.shape(param)
 
@@ -244,7 +244,7 @@ class _MultiSteps:
         return jnp.full_like(param, value, dtype)
       return jnp.full(s, value, dtype)
 
-    return _exact.zeros(shape, self._acc_dtype(param), full, integers=True)
+    return exact.zeros(shape, self._acc_dtype(param), full, integers=True)
 
   def _check_state(self, state: Any, updates: optax.Updates) -> None:
     if not isinstance(state, MultiStepsState):
@@ -255,30 +255,30 @@ class _MultiSteps:
         "state must be the jaccum.MultiStepsState made by this MultiSteps' init, "
         f"got {type(state).__module__}.{type(state).__qualname__}{fix}."
       )
-    exact = _exact.is_acc
-    if self._deterministic != exact(state.acc_weight):
+    is_exact = exact.is_acc
+    if self._deterministic != is_exact(state.acc_weight):
       raise TypeError(
         f"state must come from a MultiSteps with deterministic={self._deterministic}"
         " (its accumulator is an exact sum exactly when deterministic=True)."
       )
-    structure = jax.tree.structure(state.acc_grads, is_leaf=exact)
+    structure = jax.tree.structure(state.acc_grads, is_leaf=is_exact)
     if structure != jax.tree.structure(updates):
       raise ValueError(
         "updates must have the structure of the params given to init, "
         f"{_structure(state.acc_grads)}, got {_structure(updates)}."
       )
     for (path, acc), update in zip(
-      jax.tree_util.tree_flatten_with_path(state.acc_grads, is_leaf=exact)[0],
+      jax.tree_util.tree_flatten_with_path(state.acc_grads, is_leaf=is_exact)[0],
       jax.tree.leaves(updates),
       strict=True,
     ):
-      if jnp.shape(acc.bins[0] if exact(acc) else acc) != jnp.shape(update):
+      if jnp.shape(acc.bins[0] if is_exact(acc) else acc) != jnp.shape(update):
         raise ValueError(
           f"updates{jax.tree_util.keystr(path)} must have the shape of its "
           f"param, {jnp.shape(acc)}, got {jnp.shape(update)}."
         )
     weight = state.acc_weight
-    if weight is not None and not isinstance(weight, _exact.Acc) and jnp.shape(weight):
+    if weight is not None and not isinstance(weight, exact.Acc) and jnp.shape(weight):
       raise ValueError(
         "state.acc_weight must be a scalar (or None for a state converted from "
         f"optax), got shape {jnp.shape(weight)}."
@@ -391,31 +391,31 @@ class _MultiSteps:
     weight = jnp.ones([], jnp.float32) if weight is None else weight
     empty = state.mini_step == 0
 
-    def added(acc: _exact.Acc, terms: jax.Array) -> _exact.Acc:
+    def added(acc: exact.Acc, terms: jax.Array) -> exact.Acc:
       # An empty window starts from nothing, whatever the state holds.
       fresh = jax.tree.map(
-        lambda old, new: jnp.where(empty, new, old), acc, _exact.empty_like(acc)
+        lambda old, new: jnp.where(empty, new, old), acc, exact.empty_like(acc)
       )
-      return _exact.add(fresh, jnp.where(adds, terms, 0))
+      return exact.add(fresh, jnp.where(adds, terms, 0))
 
     acc_grads = jax.tree.map(
       lambda acc, g: added(acc, weight.astype(acc.dtype) * g.astype(acc.dtype)),
       state.acc_grads,
       updates,
-      is_leaf=_exact.is_acc,
+      is_leaf=exact.is_acc,
     )
-    assert isinstance(state.acc_weight, _exact.Acc)  # checked by _check_state
+    assert isinstance(state.acc_weight, exact.Acc)  # checked by _check_state
     total = added(state.acc_weight, weight)
 
     def emit_branch(acc_grads, inner_state, params):
-      divisor = _exact.value(total)
+      divisor = exact.value(total)
 
       def mean(acc, update):
-        summed = _exact.value(acc)
-        summed = _exact.divide(summed, divisor) if self._use_grad_mean else summed
+        summed = exact.value(acc)
+        summed = exact.divide(summed, divisor) if self._use_grad_mean else summed
         return summed.astype(update.dtype)
 
-      grads = jax.tree.map(mean, acc_grads, updates, is_leaf=_exact.is_acc)
+      grads = jax.tree.map(mean, acc_grads, updates, is_leaf=exact.is_acc)
       new_updates, new_inner = self.opt.update(grads, inner_state, params, **extra_args)
       new_inner = jax.tree.map(
         lambda new, old: new.astype(jnp.result_type(old)), new_inner, inner_state

@@ -42,9 +42,10 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
-from jaccum import _pipeline_backward
-from jaccum._microbatch import check_num_microbatches
-from jaccum._pipeline_schedule import (
+from jaccum._core.accumulators import check_accum_dtype
+from jaccum._core.microbatch import check_num_microbatches
+from jaccum._pipeline import backward as _pipeline_backward
+from jaccum._pipeline.tables import (
   KINDS,
   PipelineSchedule,
   ScheduleName,
@@ -54,7 +55,6 @@ from jaccum._pipeline_schedule import (
   pipeline_schedule,
   zero_bubble_tables,
 )
-from jaccum._reduce import check_accum_dtype
 
 P = jax.sharding.PartitionSpec
 

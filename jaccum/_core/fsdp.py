@@ -30,8 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, Literal, Var
 
-from jaccum import _reduce
-
 
 def psum_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   """`lax.psum_scatter(x, axes)` along `dim`, tiled, whatever `x`'s type shards.
@@ -104,11 +102,6 @@ def whole_shape(shard_shape: tuple[int, ...], how: Sharded) -> tuple[int, ...]:
   return tuple(d * size if i == how.dim else d for i, d in enumerate(shard_shape))
 
 
-def shard_shape(shape: tuple[int, ...], how: Sharded) -> tuple[int, ...]:
-  size = jax.lax.axis_size(how.axes)
-  return tuple(d // size if i == how.dim else d for i, d in enumerate(shape))
-
-
 def whole_params(params: Any, hows: Sequence[Sharded | None]) -> Any:
   """The params as the micro-step sees them: shards given whole shapes."""
   leaves, treedef = jax.tree.flatten(params)
@@ -121,31 +114,6 @@ def whole_params(params: Any, hows: Sequence[Sharded | None]) -> Any:
       for x, how in zip(leaves, [*hows, *[None] * len(leaves)], strict=False)
     ],
   )
-
-
-def scattered_plan(
-  leaves: Any,
-  grad_mask: Any,
-  grads: Sequence[Sharded | None],
-  num_outputs: int,
-  wire: Any = None,
-) -> tuple[Any, list[Sharded | None]]:
-  """Marks the gradients each micro-step scatters, in the plan and by output.
-
-  Returns the plan with those leaves' carries sharded, and for each output of
-  the traced micro-step (the output's leaves come first) how it is split:
-  summed in the carry's dtype, sent in `wire` (`reduce_dtype`) if given.
-  """
-  plans, treedef = jax.tree.flatten(leaves, is_leaf=_reduce.is_plan)
-  outputs: list[Sharded | None] = [None] * num_outputs
-  positions = [i for i, on in enumerate(jax.tree.leaves(grad_mask)) if on]
-  for i, how in zip(positions, grads, strict=True):
-    if how is None or plans[i].mode not in ("mean", "sum"):
-      continue
-    how = how._replace(dtype=plans[i].carry_dtype, wire=wire)
-    outputs[i] = how
-    plans[i] = plans[i]._replace(shape=shard_shape(plans[i].shape, how), scattered=how)
-  return jax.tree.unflatten(treedef, plans), outputs
 
 
 def _sq_norm(x: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ used and gradients scattered where made.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -22,11 +23,31 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _conv_layout, _fsdp, _jaxpr
-from jaccum._config import Config, Positions, call_weight_fn
-from jaccum._microbatch import Split, take_microbatch
+from jaccum._core import fsdp, varying
+from jaccum._core.accumulators import check_weight
+from jaccum._core.microbatch import Split, take_microbatch
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
+class Positions(NamedTuple):
+  """Where the batch, the key and the state sit in one call's arguments."""
+
+  batch: tuple[int, ...]
+  rng: int | None
+  state: int | None
+
+
+class Function(NamedTuple):
+  """The user's function, a `functools.partial` unwrapped: its bound arguments
+  travel as arguments (device-varying under `shard_map`), not as constants."""
+
+  fn: Callable[..., Any]
+  bound_args: tuple[Any, ...] = ()
+  bound_kwargs: dict[str, Any] = {}  # noqa: RUF012  (never mutated)
+
+  def with_bound(self, bound_args: Any, bound_kwargs: Any) -> Function:
+    return self._replace(bound_args=tuple(bound_args), bound_kwargs=dict(bound_kwargs))
 
 
 def mark_user_error(error: Exception) -> None:
@@ -118,38 +139,42 @@ class MicroInputs(NamedTuple):
 
 
 def prepare(
-  config: Config,
+  function: Function,
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
-  axes: tuple[str, ...] | None,
-  first: Any = 0,
+  cut: tuple[int, Split],
+  axes: tuple[str, ...] | None = None,
+  first: Any = None,
 ) -> MicroInputs:
   """The call's arguments made ready for this device's loop.
 
-  With `axes` (inside `shard_map`/`pmap`), non-batch arguments are cast to
-  device-varying (so no psum enters each micro-step's backward pass), and
-  keys (the `rng_argnum` one, typed keys in the state) are folded with the
-  device index, so that devices draw different numbers; with
-  `deterministic=True` the key is instead folded with each micro-batch's
-  global index (`first` + its index here).
+  `cut` is `(K, split)`. With `axes` (inside `shard_map`/`pmap`), non-batch
+  arguments are cast to device-varying (so no psum enters each micro-step's
+  backward pass), and keys (the `rng_argnum` one, typed keys in the state)
+  are folded with the device index, so that devices draw different numbers.
+  With `first` (the global index of this device's first micro-batch), the
+  key is instead folded with each micro-batch's global index.
   """
   args = list(args)
-  extras = (config.bound_args, {**config.bound_kwargs, **kwargs})
+  extras = (function.bound_args, {**function.bound_kwargs, **kwargs})
   if axes is not None:
     args = [
-      a if i in at.batch else _collective.cast_varying(a, axes)
+      a if i in at.batch else varying.cast_varying(a, axes)
       for i, a in enumerate(args)
     ]
-    extras = _collective.cast_varying(extras, axes)
-    if at.rng is not None and not config.deterministic:
-      args[at.rng] = _collective.fold_device(args[at.rng], axes)
+    extras = varying.cast_varying(extras, axes)
+    if at.rng is not None and first is None:
+      args[at.rng] = varying.fold_device(args[at.rng], axes)
     if at.state is not None:
       args[at.state] = jax.tree.map(
-        lambda s: _collective.fold_device(s, axes) if is_typed_key(s) else s,
+        lambda s: varying.fold_device(s, axes) if is_typed_key(s) else s,
         args[at.state],
       )
-  return MicroInputs(args, extras, at, config.num_microbatches, config.split, first)
+  num_microbatches, split = cut
+  return MicroInputs(
+    args, extras, at, num_microbatches, split, 0 if first is None else first
+  )
 
 
 class MicroStep(NamedTuple):
@@ -170,13 +195,13 @@ class MicroStep(NamedTuple):
   out_tree: Any
   out_shape: Any
   weight_shape: Any
-  gathered: list[_fsdp.Sharded | None]
+  gathered: list[fsdp.Sharded | None]
 
   def __call__(
     self,
     leaves: Sequence[Any],
     index: Any,
-    scattered: Sequence[_fsdp.Sharded | None] | None,
+    scattered: Sequence[fsdp.Sharded | None] | None,
     weight: Any,
   ) -> tuple[Any, Any, list[jax.Array]]:
     """`(out, new_state, norms)` on one micro-batch's leaves.
@@ -191,11 +216,11 @@ class MicroStep(NamedTuple):
       # Shards tied to the iteration: XLA would hoist a gather of a
       # loop-invariant shard out of the loop, and keep it whole throughout.
       values = [
-        _fsdp.tied(v, index) if how else v
+        fsdp.tied(v, index) if how else v
         for v, how in zip(values, self.gathered, strict=True)
       ]
       outputs = list(scattered or [None] * len(self.closed.jaxpr.outvars))
-      flat_out, norms = _fsdp.evaluate(
+      flat_out, norms = fsdp.evaluate(
         self.closed.jaxpr, self.closed.consts, values, self.gathered, outputs, weight
       )
     else:
@@ -204,57 +229,39 @@ class MicroStep(NamedTuple):
     return out, state, norms
 
 
-def default_rewrite(config: Config) -> Callable[[Any], Any] | None:
-  """The rewrite the traced micro-step gets on the default backend, if any.
-
-  On CPU, convolutions in a loop body miss XLA's fast layout (see
-  `_conv_layout`) unless `conv_rewrite=False`; other backends run the
-  micro-step as traced.
-  """
-  if config.conv_rewrite and jax.default_backend() == "cpu":
-    return _conv_layout.canonicalize_convolutions
-  return None
-
-
-def _check_closures(closed: Any, batch: Any, axes: tuple[str, ...]) -> None:
-  """Refuses closed-over arrays whose gradients JAX sums in every micro-step.
+def closures_summed(closed: Any, batch: Any, axes: tuple[str, ...]) -> list[str]:
+  """Closed-over arrays whose gradients JAX sums over `axes` in every micro-step.
 
   Only inside a `shard_map` that types device-varying values (the batch
   varies over `axes`): there a differentiated array that is the same on every
   device gets a psum in its backward pass, which jaccum would count again.
+  Returns them as `dtype[shape]` strings (none: empty).
   """
-  if not any(_collective.varying_axes(x) for x in jax.tree.leaves(batch)):
-    return  # pmap, or shard_map without type checks: no psum is inserted
+  if not any(varying.varying_axes(x) for x in jax.tree.leaves(batch)):
+    return []  # pmap, or shard_map without type checks: no psum is inserted
   invariant = [
     f"{c.dtype}{list(c.shape)}"
     for c in closed.consts
     if isinstance(c, jax.Array)
     and jnp.issubdtype(c.dtype, jnp.inexact)
-    and not set(axes) <= _collective.varying_axes(c)
+    and not set(axes) <= varying.varying_axes(c)
   ]
-  if invariant and _collective.sums_over(closed.jaxpr, axes):
-    raise ValueError(
-      f"grad_fn differentiates arrays it reaches other than through its arguments "
-      f"(closed over: {', '.join(invariant)}), and they are the same on every "
-      f"device: inside shard_map JAX then sums their gradients over {axes} in "
-      f"every micro-step, and the result would count each device's share again. "
-      f"Pass these arrays to the accumulated function as arguments (positional "
-      f"or keyword), or use jaccum.data_parallel, which accepts closures."
-    )
+  return invariant if invariant and varying.sums_over(closed.jaxpr, axes) else []
 
 
 def trace(
-  config: Config,
+  function: Function,
   inputs: MicroInputs,
   state0: Any,
-  axes: tuple[str, ...] | None,
-  sharded_params: Sequence[_fsdp.Sharded | None] = (),
+  weight_fn: Callable[..., Any] | None = None,
+  sharded_params: Sequence[fsdp.Sharded | None] = (),
 ) -> MicroStep:
-  """Traces `grad_fn` (and `weight_fn`) once on micro-batch 0's shapes.
+  """Traces the function (and `weight_fn`) once on micro-batch 0's shapes.
 
   `sharded_params`, for `"shard_all"`: how each leaf of the params (argument
   0, the call's first leaves) arrives split over devices; the micro-step is
-  traced on whole ones, as the user wrote it.
+  traced on whole ones, as the user wrote it. The program is returned as
+  traced: `rewritten` applies the plan's rewrites.
   """
   at = inputs.at
   flat, treedef = jax.tree.flatten((inputs.args_at(0, state0), inputs.extras))
@@ -263,7 +270,7 @@ def trace(
   examples = [
     x
     if h is None
-    else jax.ShapeDtypeStruct(_fsdp.whole_shape(np.shape(x), h), jnp.result_type(x))
+    else jax.ShapeDtypeStruct(fsdp.whole_shape(np.shape(x), h), jnp.result_type(x))
     for x, h in zip(flat, how, strict=True)
   ]
 
@@ -275,7 +282,7 @@ def trace(
   def micro_step(*values):
     step_args, (bound_args, all_kwargs) = unflatten(values)
     try:
-      out = config.grad_fn(*bound_args, *step_args, **all_kwargs)
+      out = function.fn(*bound_args, *step_args, **all_kwargs)
     except Exception as error:
       mark_user_error(error)
       raise
@@ -288,23 +295,34 @@ def trace(
     *dynamic_examples
   )
   weight_shape = None
-  if config.weight_fn is not None:
+  if weight_fn is not None:
     weight_shape = jax.eval_shape(
-      lambda *values: call_weight(config, unflatten(values)[0]), *dynamic_examples
+      lambda *values: call_weight(weight_fn, unflatten(values)[0]), *dynamic_examples
     )
-  if axes is not None:
-    _check_closures(closed, [inputs.args[i] for i in at.batch], axes)
-    closed = _jaxpr.strip_constraints(closed, axes)
-  if (rewrite := default_rewrite(config)) is not None:
-    closed = rewrite(closed)
-  if config.deterministic:
-    closed = _jaxpr.divisions_as_reciprocals(closed)
   gathered = [h for h, d in zip(how, dynamic, strict=True) if d]
   out_tree = jax.tree.structure((out_shape, None if at.state is None else state0))
   return MicroStep(closed, dynamic, out_tree, out_shape, weight_shape, gathered)
 
 
-def call_weight(config: Config, step_args: Sequence[Any]) -> jax.Array:
-  """`weight_fn(*micro_args)` as an array (a Python number comes back as one)."""
-  assert config.weight_fn is not None
-  return jnp.asarray(call_weight_fn(config.weight_fn, step_args))
+def rewritten(step: MicroStep, rewrites: Sequence[Callable[[Any], Any]]) -> MicroStep:
+  """`step` with its program passed through each rewrite in turn."""
+  closed = step.closed
+  for rewrite in rewrites:
+    closed = rewrite(closed)
+  return step._replace(closed=closed)
+
+
+def call_weight(weight_fn: Callable[..., Any], args: Sequence[Any]) -> jax.Array:
+  """`weight_fn(*args)` as an array, checked: a clear error if its signature
+  cannot take the arguments, or it returns anything but a numeric scalar."""
+  try:
+    inspect.signature(weight_fn).bind(*args)
+  except TypeError as e:
+    raise TypeError(
+      f"weight_fn receives every positional argument of the call, cut to one "
+      f"micro-batch: weight_fn(*micro_args) with {len(args)} arguments; its "
+      f"signature does not accept them ({e})."
+    ) from None
+  except ValueError:
+    pass  # no signature to check (a builtin): just call it
+  return jnp.asarray(check_weight(weight_fn(*args), "weight_fn must return"))

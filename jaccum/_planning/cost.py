@@ -111,7 +111,7 @@ class CostModel(NamedTuple):
     # jaccum's own loop over a micro-step of next to no work: 4096 micro-steps
     # against one, the difference is the loop's cost per micro-step. (A real
     # micro-step's kernels each cost more: at least a microsecond is taken.)
-    from jaccum._accumulate import accumulate
+    from jaccum._routes.accumulate import accumulate
 
     def tiny(w: jax.Array, x: jax.Array) -> jax.Array:
       return jnp.tanh(x @ w).sum(0)
@@ -165,7 +165,7 @@ MAX_UNROLL = 256
 def _unrolled(closed: Any) -> Any:
   """`closed` with its scans unrolled, so that XLA's cost analysis, which
   counts a loop's body once, counts every iteration (stacked layers)."""
-  from jaccum._jaxpr import rewrite_eqns
+  from jaccum._core.rewrites import rewrite_eqns
 
   def unroll(eqn: Any) -> list[Any] | None:
     if eqn.primitive.name != "scan" or not 1 < eqn.params["length"] <= MAX_UNROLL:

@@ -39,26 +39,28 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from jaccum import _compose, _peak, _timing
-from jaccum._accumulate import accumulate
-from jaccum._cost import (
+from jaccum._planning import peak as _peak
+from jaccum._planning import timing as _timing
+from jaccum._planning.cost import (
   CostModel,
   batch_argnum_set,
   cost,
   micro_args,
   step_compute,
 )
-from jaccum._fit import (
+from jaccum._planning.fit import (
   _PARALLEL_OPTIONS,
   _batch_size,
   _budget_bytes,
   _format_bytes,
   _prepare,
 )
-from jaccum._fit import (
+from jaccum._planning.fit import (
   _peak as _peak_bytes,
 )
-from jaccum._parallel import FSDP_MODES, data_parallel
+from jaccum._routes import rules
+from jaccum._routes.accumulate import accumulate, data_parallel
+from jaccum._routes.options import FSDP_MODES
 
 if TYPE_CHECKING:
   from jaccum.inspect import MemoryStats
@@ -596,7 +598,7 @@ def _fsdp_modes(
       "param_specs=... (or fsdp_mode=...); pass them, or leave fsdp_modes out."
     )
   if deterministic:
-    _compose.deterministic_and_fsdp_modes(fsdp_modes)
+    rules.check("fit_plan", fsdp_modes)
   return sorted(set(fsdp_modes), key=FSDP_MODES.index)
 
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from jaccum._accumulate import accumulate
-from jaccum._parallel import data_parallel, spec_axes
+from jaccum._core.rewrites import spec_axes
+from jaccum._routes.accumulate import accumulate, data_parallel
 
 if TYPE_CHECKING:
   from jaccum.inspect import MemoryStats

@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from jaccum._microbatch import check_num_microbatches
+from jaccum._core.microbatch import check_num_microbatches
 
 ScheduleName = Literal["gpipe", "1f1b", "zb-h1"]
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum._stats import NoiseScaleEMAState, noise_scale
+from jaccum._training.noise_scale import NoiseScaleEMAState, noise_scale
 
 Step = int | jax.Array | np.ndarray
 

@@ -15,10 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaccum import _fsdp
-from jaccum._config import Config, Positions
-from jaccum._jaxpr import spec_axes, without_axes
-from jaccum._step import ARRAY_TYPES
+from jaccum._core import fsdp
+from jaccum._core.rewrites import spec_axes, without_axes
+from jaccum._core.step import ARRAY_TYPES, Function, Positions
 
 P = jax.sharding.PartitionSpec
 
@@ -38,7 +37,7 @@ def spec_of(x: Any) -> P | None:
   return getattr(sharding, "spec", None)
 
 
-def sharded_dim(spec: P, axes: tuple[str, ...]) -> _fsdp.Sharded | None:
+def sharded_dim(spec: P, axes: tuple[str, ...]) -> fsdp.Sharded | None:
   """How an FSDP spec splits a leaf over (some of) the data `axes`, if it does.
 
   All of them for FSDP; some for HSDP (`axis=("replica", "fsdp")`, the params
@@ -55,7 +54,7 @@ def sharded_dim(spec: P, axes: tuple[str, ...]) -> _fsdp.Sharded | None:
         f"axes {axes}, or one over data and other axes at once; FSDP splits one "
         "dimension of each param over (some of) the data axes."
       )
-    found = _fsdp.Sharded(dim, names)
+    found = fsdp.Sharded(dim, names)
   return found
 
 
@@ -227,7 +226,7 @@ def refill(call: Any, arrays: Sequence[Any]) -> Any:
 
 
 def placed_call(
-  config: Config,
+  function: Function,
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
@@ -248,7 +247,7 @@ def placed_call(
     `(call, placed, in_specs)`, `call` being `(args, kwargs, bound_args,
     bound_kwargs)`, whose array leaves `placed` lays out.
   """
-  call = (tuple(args), dict(kwargs), config.bound_args, config.bound_kwargs)
+  call = (tuple(args), dict(kwargs), function.bound_args, function.bound_kwargs)
   is_batch = (
     tuple(jax.tree.map(lambda _, b=i in at.batch: b, a) for i, a in enumerate(args)),
     *(jax.tree.map(lambda _: False, part) for part in call[1:]),

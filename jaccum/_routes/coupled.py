@@ -7,8 +7,8 @@ at the per-row representations instead: the first pass computes every
 micro-batch's `reps` and keeps only them, the loss and its cotangents for
 `reps` are computed once on the whole batch's, and the second pass pulls
 each micro-batch's cotangent back through the encoder, recomputed. Both
-passes are `_loop.scan`s (keys, slicing, device-varying casts and the
-accumulator's dtype as `accumulate` has them); on many devices the rows of
+passes are local loops planned as `accumulate`'s are (`plan.local_loop`:
+keys, slicing, device-varying casts and the accumulator's dtype); on many devices the rows of
 `reps` are gathered once between them and the gradients reduced once after.
 """
 
@@ -23,17 +23,14 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import (
-  _collective,
-  _config,
-  _loop,
-  _parallel,
-  _placement,
-  _reduce,
-  _step,
-)
-from jaccum._config import Config, Positions
-from jaccum._microbatch import Split, check_batch
+from jaccum._core import accumulators, reduction, step, varying
+from jaccum._core.accumulators import Finish
+from jaccum._core.microbatch import Split
+from jaccum._core.step import Positions
+from jaccum._routes import arguments, placement, plan, routes
+from jaccum._routes import mesh as mesh_lib
+from jaccum._routes import options as options_lib
+from jaccum._routes.options import Options
 
 P = jax.sharding.PartitionSpec
 
@@ -53,7 +50,7 @@ class _TracedOnce:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     flat, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [isinstance(x, _step.ARRAY_TYPES) for x in flat]
+    dynamic = [isinstance(x, step.ARRAY_TYPES) for x in flat]
     values = [x for x, d in zip(flat, dynamic, strict=True) if d]
     if self._program is None:
 
@@ -128,10 +125,10 @@ def _check_state_only_read(state: Any, new_state: Any, state_argnum: int) -> Non
 
 
 def _encoder(
-  config: Config, at: Positions, args: Sequence[Any], kwargs: dict[str, Any], rows: int
+  options: Options, at: Positions, args: Sequence[Any], kwargs: dict[str, Any], rows: int
 ) -> _TracedOnce:
   """`encode_fn` as both passes call it, its output checked on the first call."""
-  num_bound = len(config.bound_args)
+  num_bound = len(options.function.bound_args)
 
   def check(call_args, call_kwargs, out):
     reps = out
@@ -145,10 +142,10 @@ def _encoder(
       state = call_args[num_bound + at.state]
       _check_state_only_read(state, new_state, at.state)
     _check_rows(
-      reps, rows, lambda: _loop.output_shapes_at(config, at, args, kwargs, 2 * rows)
+      reps, rows, lambda: arguments.output_shapes_at(options, at, args, kwargs, 2 * rows)
     )
 
-  return _TracedOnce(config.grad_fn, check)
+  return _TracedOnce(options.function.fn, check)
 
 
 def _pullback(
@@ -192,7 +189,7 @@ def _loss_and_cotangents(
   try:
     loss, vjp = jax.vjp(loss_fn, params, reps)
   except Exception as error:
-    _step.mark_user_error(error)
+    step.mark_user_error(error)
     raise
   if (
     not isinstance(loss, jax.Array)
@@ -209,18 +206,8 @@ def _loss_and_cotangents(
   return loss, direct, floating
 
 
-def _batch_size(config: Config, at: Positions, args: Sequence[Any]) -> int:
-  """The batch's rows, checked to split into K micro-batches."""
-  return check_batch(
-    [args[i] for i in at.batch],
-    config.num_microbatches,
-    names=[f"args[{i}]" for i in at.batch],
-    hint=_config.batch_hint(config, at),
-  )
-
-
 def _two_passes(
-  config: Config,
+  options: Options,
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
@@ -235,19 +222,20 @@ def _two_passes(
   gradients. The loss and its direct gradient, the same on every device,
   enter that sum from device 0 only, so the result is invariant.
   """
-  batch_size = _batch_size(config, at, args)
-  rows = batch_size // config.num_microbatches
-  encoder = _encoder(config, at, args, kwargs, rows)
+  batch_size = arguments.check_batch_size(options, at, args)
+  rows = batch_size // options.num_microbatches
+  encoder = _encoder(options, at, args, kwargs, rows)
   has_state = at.state is not None
   reps_of = encoder if not has_state else lambda *a, **k: encoder(*a, **k)[0]
   passes = Positions(at.batch, at.rng, None)  # read-only state: an argument
-  first = _loop.scan(
-    config._replace(grad_fn=reps_of, reduce="concat"), passes, args, kwargs, axes=axes
+  encode = options.replace(function=options.function._replace(fn=reps_of))
+  first, carry = plan.local_loop(
+    encode.replace(reduce="concat"), passes, args, kwargs, axes
   )
-  reps = _reduce.finalize(first.leaves, first.acc, None, config.split)
+  reps = accumulators.finish(first.accumulators, carry.acc, Finish())
   if axes is not None:
     reps = jax.lax.all_gather(reps, axes, axis=0, tiled=True)
-  params = args[0] if axes is None else _collective.cast_varying(args[0], axes)
+  params = args[0] if axes is None else varying.cast_varying(args[0], axes)
   loss, direct, cotangents = _loss_and_cotangents(loss_fn, params, reps)
   if axes is not None:
     first_device = jax.lax.axis_index(axes) == 0
@@ -259,25 +247,26 @@ def _two_passes(
     loss, direct = jax.tree.map(
       lambda x: jnp.where(first_device, x, jnp.zeros_like(x)), (loss, direct)
     )
-  second = _loop.scan(
-    config._replace(
-      grad_fn=_pullback(encoder, len(config.bound_args), has_state), reduce="sum"
-    ),
+  pullback = _pullback(encoder, len(options.function.bound_args), has_state)
+  second, carry = plan.local_loop(
+    options.replace(function=options.function._replace(fn=pullback), reduce="sum"),
     passes._replace(batch=(*at.batch, len(args))),
     [*args, cotangents],
     kwargs,
-    axes=axes,
+    axes,
   )
-  acc = _reduce.update(second.leaves, second.acc, direct, jnp.int32(0))
+  accs = second.accumulators
+  acc = accumulators.update(accs, carry.acc, direct, jnp.int32(0), None)
   if axes is not None:
-    acc, _, _, (loss,) = _collective.all_reduce(
-      second.leaves, acc, None, None, axes, extras=[loss]
+    combined = reduction.over_devices(
+      reduction.Reduction(axes, 1), accs, acc, None, None, [loss]
     )
-  return loss, _reduce.finalize(second.leaves, acc, None, config.split)
+    acc, (loss,) = combined.acc, combined.sums
+  return loss, accumulators.finish(accs, acc, Finish())
 
 
 def _on_mesh(
-  config: Config,
+  options: Options,
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
@@ -292,28 +281,29 @@ def _on_mesh(
   per device (on an explicit mesh, a function closing over arrays placed on
   it), the passes run as the whole batch's step runs, with a warning.
   """
-  route = _parallel._route(config, at, args, mesh, axes, None, "gather_once")
-  if route.num_devices == 1 and mesh.size > 1:
+  devices, _, explicit = mesh_lib.check_mesh_and_batch(options, at, args, mesh, axes)
+  if devices == 1 and mesh.size > 1:
     # As `data_parallel` does: XLA rejects an all-reduce over a manual axis
     # of one device whose operand is split over another axis (data=1,
     # model=2); with one device over the data axes, nothing is gathered.
-    return _two_passes(config, at, args, kwargs, loss_fn)
+    return _two_passes(options, at, args, kwargs, loss_fn)
   # Params sharded over the data axes (on an explicit mesh) are gathered.
-  call, placed, in_specs = _placement.placed_call(
-    config,
+  call, placed, in_specs = placement.placed_call(
+    options.function,
     at,
     args,
     kwargs,
     None,
     mesh=mesh,
     axes=axes,
-    explicit=route.explicit,
+    explicit=explicit,
     keep_sharded=False,
   )
 
   def per_device(*arrays):
-    local_args, local_kwargs, bound_args, bound_kwargs = _placement.refill(call, arrays)
-    local = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
+    local_args, local_kwargs, bound_args, bound_kwargs = placement.refill(call, arrays)
+    function = options.function.with_bound(bound_args, bound_kwargs)
+    local = options.replace(function=function)
     return _two_passes(local, at, local_args, local_kwargs, loss_fn, axes)
 
   both_passes = jax.shard_map(
@@ -327,11 +317,11 @@ def _on_mesh(
   try:
     return both_passes(*placed)
   except Exception as error:
-    if not _step.is_user_error(error):
+    if not step.is_user_error(error):
       raise
     per_device_error = error
   try:
-    out = _two_passes(config, at, args, kwargs, loss_fn)
+    out = _two_passes(options, at, args, kwargs, loss_fn)
   except Exception as whole_batch_error:
     raise whole_batch_error from per_device_error
   first_line = (str(per_device_error).strip().splitlines() or [""])[0]
@@ -341,7 +331,7 @@ def _on_mesh(
     f"passes run as the whole batch's step runs, sharded over {axes}: the result "
     f"is the same, but XLA may communicate inside the loops (check with "
     f"jaccum.inspect.collectives). "
-    f"{_parallel._cause_and_fix(per_device_error, axes)}",
+    f"{routes.cause_and_fix(per_device_error, axes)}",
     stacklevel=3,
   )
   return out
@@ -359,7 +349,7 @@ def _check_params(args: Sequence[Any], at: Positions) -> None:
       f"...) and point {taken[0]} at another argument."
     )
   for path, leaf in jax.tree_util.tree_flatten_with_path(args[0])[0]:
-    if not isinstance(leaf, _step.ARRAY_TYPES) or not _is_floating(leaf):
+    if not isinstance(leaf, step.ARRAY_TYPES) or not _is_floating(leaf):
       got = jax.typeof(leaf) if isinstance(leaf, jax.Array) else repr(leaf)[:60]
       raise TypeError(
         f"params leaf args[0]{jax.tree_util.keystr(path)} must be a floating "
@@ -505,7 +495,7 @@ def accumulate_coupled(
       "axis_name (inside your own shard_map) and mesh=/axis= (accumulate_coupled "
       "runs the shard_map) are two routes; pass one of them."
     )
-  config = _config.make_config(
+  options = options_lib.make(
     encode_fn,
     num_microbatches,
     batch_argnums=batch_argnums,
@@ -519,21 +509,22 @@ def accumulate_coupled(
   )
   mesh_axes = None
   if mesh is not None or axis is not None:
-    mesh_axes = _config.axis_tuple("data" if axis is None else axis, "axis")
+    mesh_axes = options_lib.axis_tuple("data" if axis is None else axis, "axis")
+  axes = options.axis_name
 
   def coupled(*args: Any, **kwargs: Any) -> Any:
-    at = _config.positions(config, args, kwargs)
+    at = arguments.positions(options, args, kwargs)
     _check_params(args, at)
-    if config.axes is not None:
-      _loop.check_axes_bound(config.axes)
-      out = _two_passes(config, at, args, kwargs, loss_fn, config.axes)
+    if axes is not None:
+      arguments.check_axes_bound(axes)
+      out = _two_passes(options, at, args, kwargs, loss_fn, axes)
     elif mesh_axes is not None:
-      the_mesh = mesh if mesh is not None else _placement.find_mesh(args, at)
-      out = _on_mesh(config, at, args, kwargs, loss_fn, the_mesh, mesh_axes)
-    elif (route := _placement.explicit_batch_axes(args, at)) is not None:
-      out = _on_mesh(config, at, args, kwargs, loss_fn, *route)
+      the_mesh = mesh if mesh is not None else placement.find_mesh(args, at)
+      out = _on_mesh(options, at, args, kwargs, loss_fn, the_mesh, mesh_axes)
+    elif (route := placement.explicit_batch_axes(args, at)) is not None:
+      out = _on_mesh(options, at, args, kwargs, loss_fn, *route)
     else:
-      out = _two_passes(config, at, args, kwargs, loss_fn)
+      out = _two_passes(options, at, args, kwargs, loss_fn)
     return out if at.state is None else (out, args[at.state])
 
   return coupled

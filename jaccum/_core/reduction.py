@@ -1,0 +1,263 @@
+"""The one reduction over devices, after the loop: every route uses it.
+
+`over_devices` combines each device's carries: the sums (means, exact sums
+as int32 bins, the weights, floating state, the noise scale's scalars) in
+one fused psum, maxima and minima by `pmax`/`pmin`, FSDP gradients by a
+reduce-scatter (or, scattered by the loop already, a sum over the other
+data axes), per-example leaves kept per device. With `reduce_fn`, the
+gradient leaves are left to it: each device hands its share of the exact
+result and gets back their sum (or an estimate of it, compressed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaccum._core import accumulators, exact, varying
+from jaccum._core.accumulators import Weights
+
+
+class Reduction(NamedTuple):
+  """How the devices combine, decided by the plan.
+
+  Attributes:
+    axes: the data axes, summed over.
+    num_terms: the micro-batches over all devices (devices × K).
+    wire: the dtype floating sums cross the wire in (`reduce_dtype`), or None.
+    scatter: per output leaf, how an FSDP gradient is reduce-scattered after
+      the loop (`"gather_once"`), or None; None for no such leaf.
+    hook: `reduce_fn`, which reduces the gradient leaves itself, or None.
+    grad_mask: bools like the output, True on gradient leaves.
+    grad_part: where the gradients sit in the output for `reduce_fn`: None
+      for all of it, or the index of one element of a pair.
+  """
+
+  axes: tuple[str, ...]
+  num_terms: int
+  wire: Any = None
+  scatter: list[Any] | None = None
+  hook: Callable[..., Any] | None = None
+  grad_mask: Any = None
+  grad_part: int | None = None
+
+
+class Combined(NamedTuple):
+  """The carries combined over devices.
+
+  Attributes:
+    acc: per output leaf, its combined carry (weighted means divided by the
+      total weight already).
+    total: the summed weight, or None when unweighted.
+    state: floating state averaged, other state device 0's.
+    sums: the noise scale's scalars, summed.
+    done: per leaf, whether `reduce_fn` reduced it (its mean is final).
+    reduce_state: `reduce_fn`'s new state, one row, or the one it got.
+  """
+
+  acc: Any
+  total: Any
+  state: Any
+  sums: list[Any]
+  done: list[bool] | None
+  reduce_state: Any
+
+
+def _on_the_wire(wire: Any, reduce: Callable[[list[Any]], list[Any]], xs: list[Any]):
+  """`reduce(xs)`, with each floating x cast to `wire` and back."""
+  if wire is None:
+    return reduce(xs)
+  narrow = [x.astype(wire) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+  return [r.astype(x.dtype) for r, x in zip(reduce(narrow), xs, strict=True)]
+
+
+def _scatters(
+  plan: Reduction,
+  accs: list[Any],
+  values: list[Any],
+  shares: list[Any],
+  skipped: list[bool],
+) -> None:
+  """FSDP gradients scattered over their axes, and summed over the other data
+  axes (HSDP's replicas); scattered in the loop already: summed over those."""
+  hows = plan.scatter or [None] * len(accs)
+  by_rest: dict[tuple[str, ...], list[int]] = {}
+  for i, acc in enumerate(accs):
+    how = hows[i] if acc.wire == "sum" and not skipped[i] else None
+    if how is not None and isinstance(acc, accumulators.Exact):
+      values[i] = exact.scatter(values[i], how, plan.axes)  # in integers
+      continue
+    if how is not None:
+      (values[i],) = _on_the_wire(
+        plan.wire, lambda xs, how=how: [how.scatter(xs[0])], [shares[i]]
+      )
+      shares[i] = values[i]
+    how = how or getattr(acc, "how", None)
+    rest = () if how is None else tuple(a for a in plan.axes if a not in how.axes)
+    if rest:
+      by_rest.setdefault(rest, []).append(i)
+  for rest, indices in by_rest.items():
+    sums = _on_the_wire(
+      plan.wire, lambda xs, rest=rest: jax.lax.psum(xs, rest), [shares[i] for i in indices]
+    )
+    for i, value in zip(indices, sums, strict=True):
+      values[i] = value
+
+
+def over_devices(
+  plan: Reduction,
+  accs_tree: Any,
+  carry: Any,
+  weights: Weights | None,
+  state: Any,
+  sums: Sequence[Any] = (),
+  reduce_state: Any = None,
+) -> Combined:
+  """The carries of every device of `plan.axes`, combined: one fused psum.
+
+  `"sum"` and unweighted `"mean"` leaves are summed over devices. Weighted
+  means hold each device's `Σ w out / Σ |w|`; they are combined as
+  `Σ_d norm_d acc_d / Σ_d total_d`, in float32 at least. These sums, the
+  total weight, the floating state and `sums` go into a single psum (JAX
+  lowers it to one all-reduce per array, each depending on that array
+  alone; XLA may combine them); exact sums go into it as int32 bins aligned
+  over the axes and come back as floats (`exact.psum`). Floating state is
+  averaged over devices (BatchNorm statistics, as synchronised BatchNorm
+  does); other state (counters, keys, flags) takes device 0's value.
+  """
+  axes = plan.axes
+  accs, treedef = jax.tree.flatten(accs_tree, is_leaf=accumulators.is_accumulator)
+  values = treedef.flatten_up_to(carry)
+  skipped = list(jax.tree.leaves(plan.grad_mask)) if plan.hook else [False] * len(accs)
+  hows = plan.scatter or [None] * len(accs)
+  shares = [a.summand(v, weights) for a, v in zip(accs, values, strict=True)]
+  _scatters(plan, accs, values, shares, skipped)
+  summed = [
+    i
+    for i, a in enumerate(accs)
+    if a.wire == "sum" and hows[i] is None and not skipped[i]
+  ]
+  state_values, state_def = jax.tree.flatten(state)
+  floating = [jnp.issubdtype(jnp.result_type(s), jnp.inexact) for s in state_values]
+  fused = [shares[i] for i in summed]
+  if plan.wire is not None:  # never an exact sum: the two are refused together
+    fused = [
+      x.astype(plan.wire) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in fused
+    ]
+  to_sum = fused + [s for s, f in zip(state_values, floating, strict=True) if f]
+  to_sum += list(sums)
+  total = None if weights is None else weights.total
+  if total is not None:
+    to_sum.append(total)
+  to_sum = exact.psum(to_sum, axes) if to_sum else []
+  total = to_sum.pop() if total is not None else None
+  summed_sums = to_sum[len(to_sum) - len(sums) :]
+  for i, value in zip(summed, to_sum[: len(fused)], strict=False):
+    values[i] = value.astype(shares[i].dtype)
+  state_sums = iter(to_sum[len(fused) : len(to_sum) - len(sums)])
+  for i, acc in enumerate(accs):
+    if skipped[i]:
+      continue
+    if acc.wire in ("max", "min"):
+      values[i] = (jax.lax.pmax if acc.wire == "max" else jax.lax.pmin)(values[i], axes)
+    elif acc.wire in ("sum", "rest"):
+      values[i] = acc.summed(values[i], total, weights)
+  num_devices = jax.lax.axis_size(axes)
+  state_values = [
+    next(state_sums) / num_devices if f else varying.device_zero(s, axes)
+    for s, f in zip(state_values, floating, strict=True)
+  ]
+  combined = Combined(
+    jax.tree.unflatten(treedef, values),
+    total,
+    jax.tree.unflatten(state_def, state_values),
+    summed_sums,
+    None,
+    reduce_state,
+  )
+  if plan.hook is None:
+    return combined
+  return _hooked(plan, accs_tree, carry, weights, combined)
+
+
+_REDUCE_FN_RETURNS = (
+  "reduce_fn(grads, axes, state) must return a pair (reduced_grads, new_state): "
+  "reduced_grads shaped as it got grads, new_state shaped as it got state "
+  "(return it unchanged, or None if there is none)"
+)
+
+
+def _types(tree: Any) -> list[tuple[tuple[int, ...], Any]]:
+  return [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree)]
+
+
+def _checked_reduce_output(out: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+  """`reduce_fn`'s `(reduced, new_state)`, or an error saying what it must be.
+
+  A pair is unpacked only if it is one: a single gradient array of leading
+  size 2 would unpack as its two rows.
+  """
+  if not isinstance(out, tuple) or len(out) != 2:
+    shape = getattr(out, "shape", None)
+    got = f"{type(out).__name__} {jax.tree.structure(out)}"
+    if shape is not None:
+      got = f"an array of shape {tuple(shape)}"
+    raise TypeError(f"{_REDUCE_FN_RETURNS}; got {got}.")
+  reduced, new_state = out
+  for name, new, old in (
+    ("reduced_grads", reduced, grads),
+    ("new_state", new_state, state),
+  ):
+    if jax.tree.structure(new) != jax.tree.structure(old) or _types(new) != _types(old):
+      raise TypeError(
+        f"{_REDUCE_FN_RETURNS}; {name} is {jax.tree.structure(new)} of "
+        f"{[f'{d}{list(sh)}' for sh, d in _types(new)]}, expected "
+        f"{jax.tree.structure(old)} of {[f'{d}{list(sh)}' for sh, d in _types(old)]}."
+      )
+  return reduced, new_state
+
+
+def _hooked(
+  plan: Reduction, accs_tree: Any, local: Any, weights: Weights | None,
+  combined: Combined,
+) -> Combined:
+  """The gradient leaves that `over_devices` left, reduced by `reduce_fn`.
+
+  Each device's share is what makes the exact result when summed over the
+  axes: its sum, its mean's sum over devices × K micro-batches, or its
+  weighted sum over the total weight (summed over devices already).
+  `reduce_state` holds one row per device on a leading axis; `reduce_fn` sees
+  and returns this device's row.
+  """
+  assert plan.hook is not None
+  accs, treedef = jax.tree.flatten(accs_tree, is_leaf=accumulators.is_accumulator)
+  values = treedef.flatten_up_to(combined.acc)
+  on = jax.tree.leaves(plan.grad_mask)
+  done = [False] * len(accs)
+  for i, acc in enumerate(accs):
+    if on[i] and not isinstance(acc, accumulators.Zeros):
+      values[i] = acc.share(values[i], weights, combined.total, plan.num_terms)
+      done[i] = True
+  tree = jax.tree.unflatten(treedef, values)
+  part = plan.grad_part
+  grads = tree if part is None else tree[part]
+  state = jax.tree.map(lambda x: x[0], combined.reduce_state)
+  reduced, new_state = _checked_reduce_output(
+    plan.hook(grads, plan.axes, state), grads, state
+  )
+  if part is None:
+    tree = reduced
+  else:
+    tree = type(tree)(reduced if j == part else t for j, t in enumerate(tree))
+  values = [
+    v.astype(a.carry_dtype) if d else v
+    for v, a, d in zip(treedef.flatten_up_to(tree), accs, done, strict=True)
+  ]
+  return combined._replace(
+    acc=jax.tree.unflatten(treedef, values),
+    done=done,
+    reduce_state=jax.tree.map(lambda x: jnp.asarray(x)[None], new_state),
+  )

@@ -1,0 +1,411 @@
+"""The plan: every decision one call needs, made once per trace.
+
+`make(options, call)` is entered once per trace of an accumulated function.
+It reads `Options` and the call's arguments, runs the rules of the table
+that need them, traces the user's function where the loop will run it, and
+returns a frozen `Plan`: the route; the loop's pieces (how micro-batch k is
+cut and keyed, the traced and rewritten micro-step, one accumulator per
+output leaf, the weighing, the driver, what the noise scale measures); the
+one reduction over devices; and how the result is assembled. `run` hands it
+to its route. Below the plan nothing reads an option and nothing validates.
+
+`deterministic=True` is decided here into its effects: the global
+micro-batch order and key index (`LoopPlan.global_order`, and the count's
+global meaning on a sharded batch), exact accumulators and weights (whose
+wire is the integer psum), and the division rewrite of the traced step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaccum._core import (
+  accumulators,
+  loop,
+  reduction,
+  rewrites,
+  stats,
+  step,
+  varying,
+)
+from jaccum._core.accumulators import Choice
+from jaccum._routes import arguments, mesh, routes, rules
+from jaccum._routes.options import Options
+
+
+class Call(NamedTuple):
+  """One call of an accumulated function.
+
+  Attributes:
+    args: the positional arguments.
+    kwargs: the keyword arguments, whole to every micro-step.
+    count: `num_real_microbatches`, as given (None: all K).
+    reduce_state: `reduce_state`, as given.
+  """
+
+  args: tuple[Any, ...]
+  kwargs: dict[str, Any]
+  count: Any = None
+  reduce_state: Any = None
+
+
+class StatsOut(NamedTuple):
+  """How the noise-scale estimates are made from the combined sums."""
+
+  unit_weight: int
+  num_terms: int
+  exact_sums: bool
+
+  def estimates(self, sums: Sequence[Any], total: Any, grad_sq_norm: Any) -> Any:
+    return stats.from_sums(
+      sums, total, self.unit_weight, self.num_terms, grad_sq_norm, self.exact_sums
+    )
+
+
+class Output(NamedTuple):
+  """What the call returns, besides the reduced output.
+
+  Attributes:
+    num_terms: the micro-batches over all devices (an unweighted mean's K).
+    state: `(out, state)` (`state_argnum`).
+    stats: `(…, AccumulationStats)` (`return_stats`), how they are made.
+    reduce_state: `(…, reduce_state)` (`reduce_fn`).
+    grad_mask: bools like the output, True on gradient leaves.
+  """
+
+  num_terms: int
+  state: bool
+  stats: StatsOut | None
+  reduce_state: bool
+  grad_mask: Any
+
+  def assemble(self, result: Any, state: Any, estimates: Any, reduce_state: Any):
+    out = (result, state) if self.state else result
+    out = out if self.stats is None else (out, estimates)
+    return (out, reduce_state) if self.reduce_state else out
+
+
+class Plan(NamedTuple):
+  """Everything one call runs.
+
+  Attributes:
+    route: where the loop runs (a `routes` class, or `mesh.PerDevice`).
+    function: the user's function.
+    loop: the local loop's pieces.
+    reduction: the one reduction over devices, or None on one device.
+    count: the count of real micro-batches, checked (one per device where
+      each runs its own), or None.
+    output: how the result is assembled.
+    layout: on the per-device route, where each output leaf lives after the
+      reduction; None elsewhere.
+  """
+
+  route: Any
+  function: step.Function
+  loop: loop.LoopPlan
+  reduction: reduction.Reduction | None
+  count: Any
+  output: Output
+  layout: mesh.Layout | None = None
+
+
+def run(options: Options, call: Call) -> Any:
+  """One call: its plan (made once per trace), run on its route."""
+  plan = make(options, call)
+  return plan.route.run(plan, call)
+
+
+def make(options: Options, call: Call) -> Plan:
+  """The plan of one call. Falls back to the whole batch's step where the
+  function cannot run per device (with a warning naming the cause)."""
+  at = arguments.positions(options, call.args, call.kwargs)
+  route = routes.choose(options, at, call)
+  try:
+    return _planned(options, call, at, route)
+  except Exception as error:
+    if not isinstance(route, mesh.PerDevice) or not step.is_user_error(error):
+      raise  # jaccum's own: the options or the output are wrong either way
+    if call.count is not None or options.reduce_fn is not None:
+      named = [("num_real_microbatches", call.count), ("reduce_fn", options.reduce_fn)]
+      given = [name for name, value in named if value is not None]
+      raise ValueError(
+        f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} the "
+        "per-device loop, which cannot run grad_fn here "
+        f"(without it the step would run as the whole batch does): "
+        f"{type(error).__name__}: {error}"
+      ) from error
+    whole = routes.whole_batch(options, at, call, route, error)
+    try:
+      plan = _planned(options, call, at, whole)
+    except Exception as whole_batch_error:
+      raise whole_batch_error from error
+    routes.warn_whole_batch(whole)
+    return plan
+
+
+def local_loop(
+  options: Options,
+  at: step.Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  axes: tuple[str, ...] | None,
+) -> tuple[loop.LoopPlan, loop.Carry]:
+  """One loop over this device's rows, planned and run where it is called
+  (`accumulate_coupled`'s two passes): its plan and its carry."""
+  rows = arguments.check_batch_size(options, at, args) // options.num_microbatches
+  route: Any = routes.OneDevice(rows)
+  if axes is not None:
+    route = routes.InShardMap(rows, axes, jax.lax.axis_size(axes))
+  planned = _planned(options, Call(tuple(args), kwargs), at, route)
+  return planned.loop, loop.run(planned.loop, options.function, args, kwargs)
+
+
+def _rewrites(options: Options, axes: Any, exact: bool) -> list[Callable[..., Any]]:
+  """What the traced micro-step goes through before the loop runs it."""
+  found: list[Callable[..., Any]] = []
+  if axes is not None:
+    found.append(lambda closed: rewrites.strip_constraints(closed, axes))
+  if options.conv_rewrite and jax.default_backend() == "cpu":
+    # On CPU, convolutions in a loop body miss XLA's fast layout.
+    found.append(rewrites.canonicalize_convolutions)
+  if exact:
+    found.append(rewrites.divisions_as_reciprocals)
+  return found
+
+
+def _closures(closed: Any, names: Sequence[str], axes: tuple[str, ...]) -> None:
+  raise ValueError(
+    f"grad_fn differentiates arrays it reaches other than through its arguments "
+    f"(closed over: {', '.join(names)}), and they are the same on every "
+    f"device: inside shard_map JAX then sums their gradients over {axes} in "
+    f"every micro-step, and the result would count each device's share again. "
+    f"Pass these arrays to the accumulated function as arguments (positional "
+    f"or keyword), or use jaccum.data_parallel, which accepts closures."
+  )
+
+
+def _traced(
+  options: Options, call: Call, route: Any, inputs: loop.LoopPlan, count: Any
+) -> step.MicroStep:
+  """The user's function traced where the loop runs it, on micro-batch 0."""
+  at, axes = inputs.at, route.axes
+  sharded = route.fsdp.params if route.fsdp is not None else ()
+
+  def trace_here(function, args, kwargs, local_count):
+    prepared = inputs.inputs(function, args, kwargs, local_count)
+    state0 = None if at.state is None else prepared.args[at.state]
+    traced = step.trace(function, prepared, state0, options.weight_fn, sharded)
+    closures = []
+    if axes is not None:
+      batch = [prepared.args[i] for i in at.batch]
+      closures = step.closures_summed(traced.closed, batch, axes)
+    return traced, closures
+
+  traced, closures = route.in_context(options.function, call, count, trace_here)
+  if closures:
+    _closures(traced.closed, closures, axes)
+  return traced
+
+
+def _scattered_in_loop(
+  accs: Any, grad_mask: Any, route: Any, wire: Any, num_outputs: int
+) -> tuple[Any, list[Any] | None]:
+  """The gradients each micro-step reduce-scatters (FSDP's sharded modes):
+  their accumulators, and per output of the program how it is split."""
+  if route.fsdp is None or not any(h is not None for h in route.fsdp.grads):
+    return accs, None
+  flat, treedef = jax.tree.flatten(accs, is_leaf=accumulators.is_accumulator)
+  outputs: list[Any] = [None] * num_outputs
+  positions = [i for i, on in enumerate(jax.tree.leaves(grad_mask)) if on]
+  for i, how in zip(positions, route.fsdp.grads, strict=True):
+    if how is None:
+      continue
+    shard = route.shard_shape(flat[i].shape, how)
+    new = accumulators.scattered(flat[i], how, wire, shard)
+    if new is not flat[i]:
+      flat[i], outputs[i] = new, new.how
+  return jax.tree.unflatten(treedef, flat), outputs
+
+
+def _planned(options: Options, call: Call, at: step.Positions, route: Any) -> Plan:
+  exact = options.deterministic  # its effects, decided here alone
+  num_microbatches = options.num_microbatches
+  count = route.count(call.count, num_microbatches, exact)
+  count_varies = route.count_varies or (count is not None and np.ndim(count) == 1)
+  state = None if at.state is None else call.args[at.state]
+  sharded_mode = None
+  if route.fsdp is not None:
+    sharded_mode = "shard_all" if any(route.fsdp.params) else "shard_grads"
+  facts = rules.Facts(
+    options,
+    devices=route.devices,
+    on_devices=route.on_devices,
+    sharded_by_accumulate=route.sharded_by_accumulate,
+    axes=route.axes or (),
+    count=call.count is not None,
+    count_varies=count_varies,
+    state_arrays=bool(jax.tree.leaves(state)),
+    sharded_mode=sharded_mode,
+  )
+  rules.check("plan", facts)
+  inputs = loop.LoopPlan(
+    at, (num_microbatches, options.split), route.rows, route.axes, exact,
+    count_varies, None, None, None, None, loop.Driver(num_microbatches), None,
+  )  # fmt: skip
+  traced = _traced(options, call, route, inputs, count)
+  traced = step.rewritten(traced, _rewrites(options, route.axes, exact))
+  return _from_step(options, call, at, route, inputs, traced, count, facts)
+
+
+def _from_step(
+  options: Options,
+  call: Call,
+  at: step.Positions,
+  route: Any,
+  inputs: loop.LoopPlan,
+  traced: step.MicroStep,
+  count: Any,
+  facts: rules.Facts,
+) -> Plan:
+  """The rest of the plan, from the traced micro-step's output."""
+  exact, out_shape = inputs.global_order, traced.out_shape
+  weighted = traced.weight_shape is not None or count is not None
+  accs = accumulators.choose(
+    Choice(options.reduce, options.accum_dtype, route.rows, options.split, exact,
+           weighted),
+    out_shape,
+  )  # fmt: skip
+  needed_by = "return_stats=True" if options.return_stats else None
+  if needed_by is None and route.hows is not None:
+    needed_by = "FSDP (param_specs)"
+  params = arguments.params_of(options.function.bound_args, at, call.args)
+  grad_mask = arguments.gradient_mask(
+    out_shape, params, options.grad_leaves, accs, needed_by
+  )
+  accs, scattered = _scattered_in_loop(
+    accs, grad_mask, route, options.reduce_dtype, len(traced.closed.jaxpr.outvars)
+  )
+  flat = jax.tree.leaves(accs, is_leaf=accumulators.is_accumulator)
+  layout = None
+  if isinstance(route, mesh.PerDevice):
+    layout = mesh.layout(accs, grad_mask, route)
+  facts = facts._replace(
+    collectives=frozenset(varying.collective_axes(traced.closed.jaxpr)),
+    grad_modes=tuple(
+      a.mode for a, on in zip(flat, jax.tree.leaves(grad_mask), strict=True) if on
+    ),
+    last_path=mesh.first_last_path(accs) if route.sharded_by_accumulate else None,
+    scattered=layout is not None and any(layout.sharded),
+  )
+  rules.check("plan", facts)
+  if isinstance(route, mesh.PerDevice):
+    mesh.per_example_leaves(
+      accs,
+      route.rows,
+      route.axes,
+      lambda n: arguments.output_shapes_at(options, at, call.args, call.kwargs, n),
+    )
+  loop_plan = _loop(options, inputs, traced, accs, scattered, grad_mask, count, route)
+  red = _reduction(options, route, accs, grad_mask, layout, call)
+  num_terms = options.num_microbatches * route.devices
+  stats_out = None
+  if options.return_stats:
+    exact_sums = any(isinstance(a, accumulators.Exact) for a in flat)
+    stats_out = StatsOut(route.rows, num_terms, exact_sums)
+  output = Output(
+    num_terms, at.state is not None, stats_out, options.reduce_fn is not None, grad_mask
+  )
+  function = options.function
+  return Plan(route, function, loop_plan, red, count, output, layout)
+
+
+def _loop(
+  options: Options,
+  inputs: loop.LoopPlan,
+  traced: step.MicroStep,
+  accs: Any,
+  scattered: list[Any] | None,
+  grad_mask: Any,
+  count: Any,
+  route: Any,
+) -> loop.LoopPlan:
+  """The loop's pieces that follow from the traced step."""
+  weighing = None
+  if traced.weight_shape is not None or count is not None:
+    weight_dtype = (
+      np.float32 if traced.weight_shape is None else traced.weight_shape.dtype
+    )
+    weighing = loop.Weighing(
+      options.weight_fn,
+      None if traced.weight_shape is not None else route.rows,
+      accumulators.weights_dtype(weight_dtype, accs),
+      inputs.global_order,
+    )
+  lockstep = None
+  if inputs.count_varies and route.axes is not None:
+    # FSDP's collectives inside the loop need every device: the idle ones
+    # join with a weight of 0.
+    if any(traced.gathered) or any(h is not None for h in scattered or ()):
+      lockstep = route.axes
+  driver = loop.Driver(
+    options.num_microbatches, options.unroll, options.overlap_reduction, lockstep
+  )
+  measure = None
+  if options.return_stats:
+    whole = jax.tree.map(
+      lambda on, a: on and not isinstance(a, accumulators.Scattered),
+      grad_mask,
+      accs,
+      is_leaf=accumulators.is_accumulator,
+    )
+    split = stats.split_axes(traced.out_shape, grad_mask, route.axes)
+    measure = loop.Measure(whole, split, inputs.global_order)
+  return inputs._replace(
+    step=traced,
+    accumulators=accs,
+    scattered=scattered,
+    weighing=weighing,
+    driver=driver,
+    measure=measure,
+  )
+
+
+def _reduction(
+  options: Options,
+  route: Any,
+  accs: Any,
+  grad_mask: Any,
+  layout: mesh.Layout | None,
+  call: Call,
+) -> reduction.Reduction | None:
+  """The one reduction over the route's devices, or None on one device."""
+  if not route.on_devices:
+    return None
+  grad_part = None
+  if options.reduce_fn is not None:
+    grad_part = arguments.gradient_part(grad_mask)
+    for acc, on in zip(
+      jax.tree.leaves(accs, is_leaf=accumulators.is_accumulator),
+      jax.tree.leaves(grad_mask),
+      strict=True,
+    ):
+      if on and acc.mode not in ("mean", "sum", "float0"):
+        raise ValueError(
+          f"reduce_fn reduces gradients that are summed or averaged, got a leaf "
+          f'reduced with "{acc.mode}".'
+        )
+    rows = route.devices if isinstance(route, mesh.PerDevice) else 1
+    arguments.check_reduce_state(call.reduce_state, rows, route.axes)
+  return reduction.Reduction(
+    route.axes,
+    options.num_microbatches * route.devices,
+    options.reduce_dtype,
+    None if layout is None else layout.scatter,
+    options.reduce_fn,
+    grad_mask,
+    grad_part,
+  )
