@@ -23,7 +23,7 @@ import jaccum
 import jaccum.nnx
 from jaccum._core import rewrites as _conv_layout
 from jaccum._core.rewrites import canonicalize_convolutions
-from jaccum._core.varying import cast_varying
+from jaccum._core.step import cast_varying
 from jaccum.inspect import _instructions
 
 NUM_MICROBATCHES = 4

@@ -524,7 +524,11 @@ def scattered(
     return accumulator
   how = how._replace(dtype=accumulator.carry_dtype, wire=wire)
   return Scattered(
-    accumulator.dtype, accumulator.carry_dtype, shape, how, isinstance(accumulator, Mean)
+    accumulator.dtype,
+    accumulator.carry_dtype,
+    shape,
+    how,
+    isinstance(accumulator, Mean),
   )
 
 
@@ -615,7 +619,9 @@ def init(accumulators: Any, out_shape: Any, num_microbatches: int) -> Any:
 def update(accumulators: Any, carry: Any, out: Any, index: Any, fold: Fold | None):
   """Micro-batch `index`'s output folded into the carry."""
   return jax.tree.map(
-    lambda a, c, v: a.update(c, v if isinstance(a, Zeros) else jnp.asarray(v), index, fold),
+    lambda a, c, v: a.update(
+      c, v if isinstance(a, Zeros) else jnp.asarray(v), index, fold
+    ),
     accumulators,
     carry,
     out,

@@ -16,8 +16,26 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaccum._core import accumulators, exact, stats, step, varying
+from jaccum._core import accumulators, exact, stats, step
 from jaccum._core.accumulators import Fold, Weights
+
+
+def first_microbatch(
+  axes: Sequence[str], num_microbatches: int, num_real: Any, count_varies: bool
+) -> jax.Array:
+  """This device's first micro-batch in the global order (`deterministic=True`).
+
+  Devices hold consecutive micro-batches: device d's first is the number the
+  devices before it run, d·K without a count (one small all-gather when the
+  counts differ between devices).
+  """
+  device = jax.lax.axis_index(tuple(axes))
+  if num_real is None:
+    return device * num_microbatches
+  if not count_varies:
+    return device * num_real
+  counts = jax.lax.all_gather(num_real, tuple(axes))
+  return jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < device, counts, 0))
 
 
 class Weighing(NamedTuple):
@@ -39,7 +57,7 @@ class Weighing(NamedTuple):
     weights = accumulators.no_weights(self.dtype, self.exact, self.unit)
     if weight_shape is not None:
       like = jax.tree.map(lambda _: weight_shape, weights)
-      weights = varying.match_varying(weights, like)
+      weights = step.match_varying(weights, like)
     return weights
 
   def __call__(self, step_args: Sequence[Any], active: Any) -> jax.Array:
@@ -116,25 +134,23 @@ class Measure(NamedTuple):
     if self.exact:
       sums = (accumulators.no_weights(jnp.float32, True, None).total, sums[1])
     if axes is not None:
-      sums = varying.cast_varying(sums, axes)
-    return varying.cast_varying(sums[0], self.split), sums[1]
+      sums = step.cast_varying(sums, axes)
+    return step.cast_varying(sums[0], self.split), sums[1]
 
   def __call__(
     self, sums: Any, out: Any, norms: Sequence[jax.Array], weight: Any, rows: int
   ) -> tuple[Any, jax.Array]:
     """One scalar per micro-step: `Σ_k w_k |g_k|²` and the count of `w_k != 0`."""
     w = jnp.asarray(rows if weight is None else weight, jnp.float32)
-    norm = stats.sq_norm(out, self.whole_grads, self.split) + sum(
-      norms, jnp.float32(0)
-    )
+    norm = stats.sq_norm(out, self.whole_grads, self.split) + sum(norms, jnp.float32(0))
     sq_sum, count = sums
     term = jnp.where(w != 0, w * norm, 0)
     sq_sum = exact.add(sq_sum, term) if exact.is_acc(sq_sum) else sq_sum + term
     return sq_sum, count + (w != 0).astype(jnp.float32)
 
 
-class LoopPlan(NamedTuple):
-  """Everything the local loop runs, decided by the plan.
+class Inputs(NamedTuple):
+  """How micro-batch k's arguments are made from the call's, on this device.
 
   Attributes:
     at: where the batch, key and state sit in the call's arguments.
@@ -145,6 +161,36 @@ class LoopPlan(NamedTuple):
     global_order: micro-batches carry global indices (`deterministic=True`):
       keys fold the global index, device d starting after the devices before.
     count_varies: the count of real micro-batches may differ between devices.
+  """
+
+  at: step.Positions
+  cut: tuple[int, Any]
+  rows: int
+  axes: tuple[str, ...] | None
+  global_order: bool
+  count_varies: bool
+
+  def __call__(
+    self,
+    function: step.Function,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    num_real: Any = None,
+  ) -> step.MicroInputs:
+    """The call's arguments made ready for this device's loop."""
+    first = None
+    if self.global_order:
+      first = 0
+      if self.axes is not None:
+        first = first_microbatch(self.axes, self.cut[0], num_real, self.count_varies)
+    return step.prepare(function, self.at, args, kwargs, self.cut, self.axes, first)
+
+
+class LoopPlan(NamedTuple):
+  """Everything the local loop runs, decided by the plan.
+
+  Attributes:
+    inputs: how micro-batch k's arguments are made.
     step: the traced, rewritten micro-step.
     accumulators: one `Accumulator` per output leaf.
     scattered: per output of the program, how each micro-step scatters it
@@ -154,32 +200,13 @@ class LoopPlan(NamedTuple):
     measure: what the noise scale measures, or None.
   """
 
-  at: step.Positions
-  cut: tuple[int, Any]
-  rows: int
-  axes: tuple[str, ...] | None
-  global_order: bool
-  count_varies: bool
+  inputs: Inputs
   step: step.MicroStep
   accumulators: Any
   scattered: list[Any] | None
   weighing: Weighing | None
   driver: Driver
   measure: Measure | None
-
-  def inputs(
-    self, function: step.Function, args: Sequence[Any], kwargs: dict[str, Any],
-    num_real: Any = None,
-  ) -> step.MicroInputs:
-    """The call's arguments made ready for this device's loop."""
-    first = None
-    if self.global_order:
-      first = 0
-      if self.axes is not None:
-        first = varying.first_microbatch(
-          self.axes, self.cut[0], num_real, self.count_varies
-        )
-    return step.prepare(function, self.at, args, kwargs, self.cut, self.axes, first)
 
 
 class Carry(NamedTuple):
@@ -219,12 +246,12 @@ def _gate(active: Any, new: Carry, old: Carry, accs: Any) -> Carry:
 def _initial(loop: LoopPlan, state0: Any) -> Carry:
   """The carry before the first micro-batch, typed as the loop will make it."""
   out_shape = loop.step.out_shape
-  acc = accumulators.init(loop.accumulators, out_shape, loop.cut[0])
+  acc = accumulators.init(loop.accumulators, out_shape, loop.inputs.cut[0])
   total = None
   if loop.weighing is not None:
     total = loop.weighing.init(loop.step.weight_shape)
-  sums = None if loop.measure is None else loop.measure.init(loop.axes)
-  return Carry(varying.match_varying(acc, out_shape), state0, total, sums)
+  sums = None if loop.measure is None else loop.measure.init(loop.inputs.axes)
+  return Carry(step.match_varying(acc, out_shape), state0, total, sums)
 
 
 def run(
@@ -240,7 +267,7 @@ def run(
   micro-batches; None runs all K.
   """
   inputs = loop.inputs(function, args, kwargs, num_real)
-  at = loop.at
+  at = loop.inputs.at
   state0 = None if at.state is None else inputs.args[at.state]
 
   def body(carry: Carry, index: Any, active: Any) -> Carry:
@@ -250,13 +277,13 @@ def run(
     out, state, norms = loop.step(leaves, index, loop.scattered, weight)
     total, fold = carry.total, None
     if weight is not None:
-      assert total is not None
-      total = accumulators.add_weight(total, weight)
+      assert carry.total is not None
+      total = accumulators.add_weight(carry.total, weight)
       fold = Fold(weight, carry.total, total)
     acc = accumulators.update(loop.accumulators, carry.acc, out, index, fold)
     sums = carry.stats
     if loop.measure is not None:
-      sums = loop.measure(sums, out, norms, weight, loop.rows)
+      sums = loop.measure(sums, out, norms, weight, loop.inputs.rows)
     new = Carry(acc, state, total, sums)
     return new if active is None else _gate(active, new, carry, loop.accumulators)
 

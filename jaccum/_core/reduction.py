@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaccum._core import accumulators, exact, varying
+from jaccum._core import accumulators, exact
 from jaccum._core.accumulators import Weights
 
 
@@ -66,6 +66,20 @@ class Combined(NamedTuple):
   reduce_state: Any
 
 
+def device_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Device 0's value of `x` on every device (exact for any dtype, keys too)."""
+  is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(x) if is_key else x
+  as_int = data.astype(jnp.int32) if data.dtype == jnp.bool_ else data
+  first = jax.lax.psum(
+    jnp.where(jax.lax.axis_index(axes) == 0, as_int, jnp.zeros_like(as_int)), axes
+  )
+  first = first.astype(data.dtype)
+  return (
+    jax.random.wrap_key_data(first, impl=jax.random.key_impl(x)) if is_key else first
+  )
+
+
 def _on_the_wire(wire: Any, reduce: Callable[[list[Any]], list[Any]], xs: list[Any]):
   """`reduce(xs)`, with each floating x cast to `wire` and back."""
   if wire is None:
@@ -101,7 +115,9 @@ def _scatters(
       by_rest.setdefault(rest, []).append(i)
   for rest, indices in by_rest.items():
     sums = _on_the_wire(
-      plan.wire, lambda xs, rest=rest: jax.lax.psum(xs, rest), [shares[i] for i in indices]
+      plan.wire,
+      lambda xs, rest=rest: jax.lax.psum(xs, rest),
+      [shares[i] for i in indices],
     )
     for i, value in zip(indices, sums, strict=True):
       values[i] = value
@@ -167,7 +183,7 @@ def over_devices(
       values[i] = acc.summed(values[i], total, weights)
   num_devices = jax.lax.axis_size(axes)
   state_values = [
-    next(state_sums) / num_devices if f else varying.device_zero(s, axes)
+    next(state_sums) / num_devices if f else device_zero(s, axes)
     for s, f in zip(state_values, floating, strict=True)
   ]
   combined = Combined(
@@ -221,7 +237,10 @@ def _checked_reduce_output(out: Any, grads: Any, state: Any) -> tuple[Any, Any]:
 
 
 def _hooked(
-  plan: Reduction, accs_tree: Any, local: Any, weights: Weights | None,
+  plan: Reduction,
+  accs_tree: Any,
+  local: Any,
+  weights: Weights | None,
   combined: Combined,
 ) -> Combined:
   """The gradient leaves that `over_devices` left, reduced by `reduce_fn`.

@@ -12,9 +12,10 @@ custom_jvp/vjp, cond, scan, while, shard_map, ...): they hold their bodies as
 rewrite keeps every equation's input and output types, so the equations
 holding nested programs stay valid.
 
-Convolutions. XLA:CPU runs a convolution on its fast kernels only when its dimension numbers
-are canonical: input batch-first and feature-last (`b01f`, "NHWC"), kernel
-spatial dimensions first, then input and output features (`01io`, "HWIO"),
+Convolutions. XLA:CPU runs a convolution on its fast kernels only when its
+dimension numbers are canonical: input batch-first and feature-last (`b01f`,
+"NHWC"), kernel spatial dimensions first, then input and output features
+(`01io`, "HWIO"),
 output `b01f`; likewise `b0f_0io->b0f` in 1-D and `b012f_012io->b012f` in 3-D.
 Its `ConvCanonicalization` pass rewrites every other convolution into
 transpose -> canonical convolution -> transpose, but it visits only the entry
@@ -50,10 +51,11 @@ kernel takes anyway.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
@@ -116,6 +118,48 @@ class _Rewriter:
 def rewrite_eqns(closed: ClosedJaxpr, rewrite: EqnRewrite) -> ClosedJaxpr:
   """`closed` with `rewrite` applied to every equation, nested programs included."""
   return _Rewriter(rewrite).program(closed)
+
+
+def _jaxprs(jaxpr: jex.Jaxpr) -> Iterator[jex.Jaxpr]:
+  yield jaxpr
+  for sub in jex.subjaxprs(jaxpr):
+    yield from _jaxprs(sub)
+
+
+def sums_over(jaxpr: jex.Jaxpr, axes: Sequence[str]) -> bool:
+  """Whether `jaxpr` (or a program nested in it) sums over any of `axes`."""
+  return any(
+    eqn.primitive.name in ("psum", "psum_invariant")
+    and set(eqn.params.get("axes", ())) & set(axes)
+    for sub in _jaxprs(jaxpr)
+    for eqn in sub.eqns
+  )
+
+
+_COLLECTIVES = {
+  "psum": "axes",
+  "psum_invariant": "axes",
+  "pmax": "axes",
+  "pmin": "axes",
+  "pbroadcast": "axes",
+  "all_gather": "axis_name",
+  "all_gather_invariant": "axis_name",
+  "reduce_scatter": "axis_name",
+  "ppermute": "axis_name",
+  "all_to_all": "axis_name",
+  "ragged_all_to_all": "axis_name",
+}
+
+
+def collective_axes(jaxpr: jex.Jaxpr) -> set[str]:
+  """The mesh axes that collectives in `jaxpr` (nested programs too) run over."""
+  found: set[str] = set()
+  for sub in _jaxprs(jaxpr):
+    for eqn in sub.eqns:
+      param = _COLLECTIVES.get(eqn.primitive.name)
+      names = eqn.params.get(param, ()) if param else ()
+      found.update((names,) if isinstance(names, str) else names)
+  return found
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:

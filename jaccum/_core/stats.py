@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaccum._core import exact, varying
+from jaccum._core import exact
+from jaccum._core.step import varying_axes
 
 
 class AccumulationStats(NamedTuple):
@@ -107,7 +108,7 @@ def sq_norm(tree: Any, mask: Any, split: Sequence[str] = ()) -> jax.Array:
 
 def _copies(x: Any, split: Sequence[str]) -> int:
   """How many devices of the axes `split` hold the same `x`."""
-  same = [a for a in split if a not in varying.varying_axes(x)]
+  same = [a for a in split if a not in varying_axes(x)]
   return math.prod(jax.lax.axis_size(a) for a in same)
 
 
@@ -121,7 +122,7 @@ def split_axes(shapes: Any, mask: Any, axes: Sequence[str] | None) -> tuple[str,
   found = set()
   for x, on in zip(jax.tree.leaves(shapes), jax.tree.leaves(mask), strict=True):
     if on:
-      found |= varying.varying_axes(x)
+      found |= varying_axes(x)
   return tuple(sorted(found - set(axes or ())))
 
 

@@ -23,11 +23,71 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum._core import fsdp, varying
+from jaccum._core import fsdp, rewrites
 from jaccum._core.accumulators import check_weight
 from jaccum._core.microbatch import Split, take_microbatch
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
+# Device-varying types. Inside a `shard_map` that checks types (the default),
+# JAX tracks which mesh axes a value varies over. A gradient taken with respect
+# to a device-invariant (replicated) parameter of a loss on a device-varying
+# batch is made invariant by a `psum` that JAX inserts into the backward pass:
+# inside a loop, one all-reduce per micro-batch. Casting the parameters to
+# varying before the loop removes that psum.
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual mesh axes over which `x` (an array or a ShapeDtypeStruct) varies."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", ()))
+
+
+def cast_varying(tree: Any, axes: Sequence[str] | frozenset[str]) -> Any:
+  """Casts every array leaf of `tree` to vary over `axes` (a no-op where it does).
+
+  Only manual axes (`shard_map`, `pmap`) type values as varying; over a
+  `vmap` axis nothing is cast.
+  """
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+
+  def cast(x):
+    if not isinstance(x, jax.Array):
+      return x
+    missing = tuple(a for a in axes if a in manual and a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def match_varying(tree: Any, like: Any) -> Any:
+  """Casts `tree`'s array leaves to vary like the matching leaves of `like`.
+
+  A scan carry must keep its type across iterations: an accumulator
+  initialised from zeros is invariant, the micro-step outputs it absorbs may
+  vary over the data axis. `like` is the primary tree: `tree` may hold None
+  where nothing is carried.
+  """
+  return jax.tree.map(
+    lambda y, x: x if x is None else cast_varying(x, varying_axes(y)), like, tree
+  )
+
+
+def fold_device(key: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """`key` on device 0, `fold_in(key, d)` on device d > 0 of `axes`.
+
+  Devices draw different numbers, and device 0 draws (and advances a key
+  threaded as state) exactly as one device running the whole batch would, so
+  the key that comes back after the loop is the unsharded one.
+  """
+  device = jax.lax.axis_index(tuple(axes))
+  data = jax.random.key_data(key)
+  folded = jax.random.key_data(jax.random.fold_in(key, device))
+  return jax.random.wrap_key_data(
+    jnp.where(device == 0, data, folded), impl=jax.random.key_impl(key)
+  )
 
 
 class Positions(NamedTuple):
@@ -159,16 +219,13 @@ def prepare(
   args = list(args)
   extras = (function.bound_args, {**function.bound_kwargs, **kwargs})
   if axes is not None:
-    args = [
-      a if i in at.batch else varying.cast_varying(a, axes)
-      for i, a in enumerate(args)
-    ]
-    extras = varying.cast_varying(extras, axes)
+    args = [a if i in at.batch else cast_varying(a, axes) for i, a in enumerate(args)]
+    extras = cast_varying(extras, axes)
     if at.rng is not None and first is None:
-      args[at.rng] = varying.fold_device(args[at.rng], axes)
+      args[at.rng] = fold_device(args[at.rng], axes)
     if at.state is not None:
       args[at.state] = jax.tree.map(
-        lambda s: varying.fold_device(s, axes) if is_typed_key(s) else s,
+        lambda s: fold_device(s, axes) if is_typed_key(s) else s,
         args[at.state],
       )
   num_microbatches, split = cut
@@ -237,16 +294,16 @@ def closures_summed(closed: Any, batch: Any, axes: tuple[str, ...]) -> list[str]
   device gets a psum in its backward pass, which jaccum would count again.
   Returns them as `dtype[shape]` strings (none: empty).
   """
-  if not any(varying.varying_axes(x) for x in jax.tree.leaves(batch)):
+  if not any(varying_axes(x) for x in jax.tree.leaves(batch)):
     return []  # pmap, or shard_map without type checks: no psum is inserted
   invariant = [
     f"{c.dtype}{list(c.shape)}"
     for c in closed.consts
     if isinstance(c, jax.Array)
     and jnp.issubdtype(c.dtype, jnp.inexact)
-    and not set(axes) <= varying.varying_axes(c)
+    and not set(axes) <= varying_axes(c)
   ]
-  return invariant if invariant and varying.sums_over(closed.jaxpr, axes) else []
+  return invariant if invariant and rewrites.sums_over(closed.jaxpr, axes) else []
 
 
 def trace(

@@ -185,8 +185,8 @@ def accumulate(
       latency-hiding scheduler on GPU and TPU) can hide the reduction of the
       late layers behind the backward pass of the early ones. One more copy
       of the micro-step in the program (compile time still flat in K).
-      False by default: no accelerator was at hand to measure the gain, and on
-      CPU there is nothing to hide behind (see the data-parallel guide).
+      False by default: on CPU there is nothing to hide behind, and the gain
+      on an accelerator is unmeasured (see the data-parallel guide).
       Not with `num_real_microbatches` (which micro-batch runs last is then
       known only at run time): that call raises a ValueError.
     reduce_dtype: the dtype the one reduction after the loop sends (e.g.

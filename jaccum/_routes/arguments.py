@@ -19,7 +19,10 @@ import numpy as np
 
 from jaccum._core import accumulators
 from jaccum._core.microbatch import check_batch
+from jaccum._core.rewrites import spec_axes
 from jaccum._core.step import ARRAY_TYPES, Positions
+
+P = jax.sharding.PartitionSpec
 
 
 def _normalize(argnum: int, num_args: int, name: str, kwargs: dict[str, Any]) -> int:
@@ -129,6 +132,42 @@ def batch_hint(batch_argnums: tuple[int, ...], at: Positions) -> str:
     f"batch is another argument, e.g. loss(batch, params), pass "
     f"batch_argnums=its position.)"
   )
+
+
+def spec_of(x: Any) -> P | None:
+  """The sharding of `x` if it is laid out over explicit mesh axes, else None."""
+  if not isinstance(x, jax.Array):
+    return None
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+    return None
+  return getattr(sharding, "spec", None)
+
+
+def explicit_batch_axes(
+  args: Sequence[Any], at: Positions
+) -> tuple[Any, tuple[str, ...]] | None:
+  """`(mesh, axes)` when a batch leaf is sharded on axis 0 over explicit mesh axes.
+
+  Batch leaves that are replicated go along (they are resharded to the same
+  axes); leaves sharded on axis 0 over different axes are an error.
+  """
+  found: dict[tuple[str, ...], str] = {}
+  mesh = None
+  for i in at.batch:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+      spec = spec_of(leaf)
+      if spec and spec[0] is not None:
+        found.setdefault(spec_axes(spec[0]), f"args[{i}]{jax.tree_util.keystr(path)}")
+        mesh = jax.typeof(leaf).sharding.mesh
+  if len(found) > 1:
+    raise ValueError(
+      "batch leaves must be sharded on axis 0 over the same mesh axes, got "
+      + ", ".join(f"{where} over {axes}" for axes, where in found.items())
+      + "."
+    )
+  return (mesh, next(iter(found))) if found else None
 
 
 def check_batch_size(options: Any, at: Positions, args: Sequence[Any]) -> int:
@@ -362,5 +401,3 @@ def check_reduce_state(reduce_state: Any, rows: int, axes: Sequence[str]) -> Non
         f"{tuple(axes)}, {rows} here. Make the state for this many devices "
         f"(e.g. PowerSGD.init(grads_like, num_devices={rows}))."
       )
-
-

@@ -8,8 +8,9 @@ micro-batch's `reps` and keeps only them, the loss and its cotangents for
 `reps` are computed once on the whole batch's, and the second pass pulls
 each micro-batch's cotangent back through the encoder, recomputed. Both
 passes are local loops planned as `accumulate`'s are (`plan.local_loop`:
-keys, slicing, device-varying casts and the accumulator's dtype); on many devices the rows of
-`reps` are gathered once between them and the gradients reduced once after.
+keys, slicing, device-varying casts and the accumulator's dtype); on many
+devices the rows of `reps` are gathered once between them and the gradients
+reduced once after.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum._core import accumulators, reduction, step, varying
+from jaccum._core import accumulators, reduction, step
 from jaccum._core.accumulators import Finish
 from jaccum._core.microbatch import Split
 from jaccum._core.step import Positions
@@ -125,7 +126,11 @@ def _check_state_only_read(state: Any, new_state: Any, state_argnum: int) -> Non
 
 
 def _encoder(
-  options: Options, at: Positions, args: Sequence[Any], kwargs: dict[str, Any], rows: int
+  options: Options,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  rows: int,
 ) -> _TracedOnce:
   """`encode_fn` as both passes call it, its output checked on the first call."""
   num_bound = len(options.function.bound_args)
@@ -142,7 +147,9 @@ def _encoder(
       state = call_args[num_bound + at.state]
       _check_state_only_read(state, new_state, at.state)
     _check_rows(
-      reps, rows, lambda: arguments.output_shapes_at(options, at, args, kwargs, 2 * rows)
+      reps,
+      rows,
+      lambda: arguments.output_shapes_at(options, at, args, kwargs, 2 * rows),
     )
 
   return _TracedOnce(options.function.fn, check)
@@ -235,7 +242,7 @@ def _two_passes(
   reps = accumulators.finish(first.accumulators, carry.acc, Finish())
   if axes is not None:
     reps = jax.lax.all_gather(reps, axes, axis=0, tiled=True)
-  params = args[0] if axes is None else varying.cast_varying(args[0], axes)
+  params = args[0] if axes is None else step.cast_varying(args[0], axes)
   loss, direct, cotangents = _loss_and_cotangents(loss_fn, params, reps)
   if axes is not None:
     first_device = jax.lax.axis_index(axes) == 0
@@ -521,7 +528,7 @@ def accumulate_coupled(
     elif mesh_axes is not None:
       the_mesh = mesh if mesh is not None else placement.find_mesh(args, at)
       out = _on_mesh(options, at, args, kwargs, loss_fn, the_mesh, mesh_axes)
-    elif (route := placement.explicit_batch_axes(args, at)) is not None:
+    elif (route := arguments.explicit_batch_axes(args, at)) is not None:
       out = _on_mesh(options, at, args, kwargs, loss_fn, *route)
     else:
       out = _two_passes(options, at, args, kwargs, loss_fn)

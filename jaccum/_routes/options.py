@@ -149,7 +149,7 @@ class Options:
   batch_argnums: tuple[int, ...] = (1,)
   reduce: Any = "mean"
   weight_fn: Callable[..., Any] | None = None
-  accum_dtype: np.dtype | None = np.dtype(np.float32)
+  accum_dtype: np.dtype | None = None
   rng_argnum: int | None = None
   state_argnum: int | None = None
   axis_name: tuple[str, ...] | None = None

@@ -18,23 +18,13 @@ import numpy as np
 from jaccum._core import fsdp
 from jaccum._core.rewrites import spec_axes, without_axes
 from jaccum._core.step import ARRAY_TYPES, Function, Positions
+from jaccum._routes.arguments import spec_of
 
 P = jax.sharding.PartitionSpec
 
 
 def is_spec(x: Any) -> bool:
   return isinstance(x, P)
-
-
-def spec_of(x: Any) -> P | None:
-  """The sharding of `x` if it is laid out over explicit mesh axes, else None."""
-  if not isinstance(x, jax.Array):
-    return None
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
-    return None
-  return getattr(sharding, "spec", None)
 
 
 def sharded_dim(spec: P, axes: tuple[str, ...]) -> fsdp.Sharded | None:
@@ -56,31 +46,6 @@ def sharded_dim(spec: P, axes: tuple[str, ...]) -> fsdp.Sharded | None:
       )
     found = fsdp.Sharded(dim, names)
   return found
-
-
-def explicit_batch_axes(
-  args: Sequence[Any], at: Positions
-) -> tuple[Any, tuple[str, ...]] | None:
-  """`(mesh, axes)` when a batch leaf is sharded on axis 0 over explicit mesh axes.
-
-  Batch leaves that are replicated go along (they are resharded to the same
-  axes); leaves sharded on axis 0 over different axes are an error.
-  """
-  found: dict[tuple[str, ...], str] = {}
-  mesh = None
-  for i in at.batch:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
-      spec = spec_of(leaf)
-      if spec and spec[0] is not None:
-        found.setdefault(spec_axes(spec[0]), f"args[{i}]{jax.tree_util.keystr(path)}")
-        mesh = jax.typeof(leaf).sharding.mesh
-  if len(found) > 1:
-    raise ValueError(
-      "batch leaves must be sharded on axis 0 over the same mesh axes, got "
-      + ", ".join(f"{where} over {axes}" for axes, where in found.items())
-      + "."
-    )
-  return (mesh, next(iter(found))) if found else None
 
 
 def find_mesh(args: Sequence[Any], at: Positions) -> Any:

@@ -30,7 +30,6 @@ from jaccum._core import (
   rewrites,
   stats,
   step,
-  varying,
 )
 from jaccum._core.accumulators import Choice
 from jaccum._routes import arguments, mesh, routes, rules
@@ -189,14 +188,14 @@ def _closures(closed: Any, names: Sequence[str], axes: tuple[str, ...]) -> None:
 
 
 def _traced(
-  options: Options, call: Call, route: Any, inputs: loop.LoopPlan, count: Any
+  options: Options, call: Call, route: Any, inputs: loop.Inputs, count: Any
 ) -> step.MicroStep:
   """The user's function traced where the loop runs it, on micro-batch 0."""
   at, axes = inputs.at, route.axes
   sharded = route.fsdp.params if route.fsdp is not None else ()
 
   def trace_here(function, args, kwargs, local_count):
-    prepared = inputs.inputs(function, args, kwargs, local_count)
+    prepared = inputs(function, args, kwargs, local_count)
     state0 = None if at.state is None else prepared.args[at.state]
     traced = step.trace(function, prepared, state0, options.weight_fn, sharded)
     closures = []
@@ -226,7 +225,7 @@ def _scattered_in_loop(
       continue
     shard = route.shard_shape(flat[i].shape, how)
     new = accumulators.scattered(flat[i], how, wire, shard)
-    if new is not flat[i]:
+    if isinstance(new, accumulators.Scattered):
       flat[i], outputs[i] = new, new.how
   return jax.tree.unflatten(treedef, flat), outputs
 
@@ -252,10 +251,9 @@ def _planned(options: Options, call: Call, at: step.Positions, route: Any) -> Pl
     sharded_mode=sharded_mode,
   )
   rules.check("plan", facts)
-  inputs = loop.LoopPlan(
-    at, (num_microbatches, options.split), route.rows, route.axes, exact,
-    count_varies, None, None, None, None, loop.Driver(num_microbatches), None,
-  )  # fmt: skip
+  inputs = loop.Inputs(
+    at, (num_microbatches, options.split), route.rows, route.axes, exact, count_varies
+  )
   traced = _traced(options, call, route, inputs, count)
   traced = step.rewritten(traced, _rewrites(options, route.axes, exact))
   return _from_step(options, call, at, route, inputs, traced, count, facts)
@@ -266,7 +264,7 @@ def _from_step(
   call: Call,
   at: step.Positions,
   route: Any,
-  inputs: loop.LoopPlan,
+  inputs: loop.Inputs,
   traced: step.MicroStep,
   count: Any,
   facts: rules.Facts,
@@ -294,7 +292,7 @@ def _from_step(
   if isinstance(route, mesh.PerDevice):
     layout = mesh.layout(accs, grad_mask, route)
   facts = facts._replace(
-    collectives=frozenset(varying.collective_axes(traced.closed.jaxpr)),
+    collectives=frozenset(rewrites.collective_axes(traced.closed.jaxpr)),
     grad_modes=tuple(
       a.mode for a, on in zip(flat, jax.tree.leaves(grad_mask), strict=True) if on
     ),
@@ -325,7 +323,7 @@ def _from_step(
 
 def _loop(
   options: Options,
-  inputs: loop.LoopPlan,
+  inputs: loop.Inputs,
   traced: step.MicroStep,
   accs: Any,
   scattered: list[Any] | None,
@@ -346,11 +344,11 @@ def _loop(
       inputs.global_order,
     )
   lockstep = None
-  if inputs.count_varies and route.axes is not None:
+  sharded = any(traced.gathered) or any(h is not None for h in scattered or ())
+  if inputs.count_varies and route.axes is not None and sharded:
     # FSDP's collectives inside the loop need every device: the idle ones
     # join with a weight of 0.
-    if any(traced.gathered) or any(h is not None for h in scattered or ()):
-      lockstep = route.axes
+    lockstep = route.axes
   driver = loop.Driver(
     options.num_microbatches, options.unroll, options.overlap_reduction, lockstep
   )
@@ -364,14 +362,7 @@ def _loop(
     )
     split = stats.split_axes(traced.out_shape, grad_mask, route.axes)
     measure = loop.Measure(whole, split, inputs.global_order)
-  return inputs._replace(
-    step=traced,
-    accumulators=accs,
-    scattered=scattered,
-    weighing=weighing,
-    driver=driver,
-    measure=measure,
-  )
+  return loop.LoopPlan(inputs, traced, accs, scattered, weighing, driver, measure)
 
 
 def _reduction(

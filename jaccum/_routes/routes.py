@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaccum._core import accumulators, fsdp, loop, reduction, stats, varying
+from jaccum._core import accumulators, fsdp, loop, reduction, stats, step
 from jaccum._core.step import ARRAY_TYPES, Function, Positions
 from jaccum._routes import arguments, mesh, placement
 from jaccum._routes.options import Mesh
@@ -43,7 +43,12 @@ def _finished(plan: Any, carry: loop.Carry, call: Any) -> Any:
     combined = reduction.over_devices(
       plan.reduction, accs, acc, weights, state, sums, call.reduce_state
     )
-    acc, total, state, sums = combined.acc, combined.total, combined.state, combined.sums
+    acc, total, state, sums = (
+      combined.acc,
+      combined.total,
+      combined.state,
+      combined.sums,
+    )
     done, reduce_state, weights = combined.done, combined.reduce_state, None
   num_terms = plan.output.num_terms
   how = accumulators.finishing(None if total is not None else num_terms, weights)
@@ -162,7 +167,7 @@ def whole_batch(
         placement.place(
           x,
           route.mesh,
-          P(route.axes, *((placement.spec_of(x) or P())[1:] if route.explicit else ())),
+          P(route.axes, *((arguments.spec_of(x) or P())[1:] if route.explicit else ())),
           route.explicit,
         )
         if isinstance(x, ARRAY_TYPES)
@@ -287,14 +292,16 @@ def choose(options: Any, at: Positions, call: Any) -> Any:
   """The route of one call: where its loop runs."""
   if options.axis_name is not None:
     devices = arguments.check_axes_bound(options.axis_name)
-    rows = arguments.check_batch_size(options, at, call.args) // options.num_microbatches
+    rows = (
+      arguments.check_batch_size(options, at, call.args) // options.num_microbatches
+    )
     count_varies = call.count is not None and bool(
-      varying.varying_axes(call.count) & set(options.axis_name)
+      step.varying_axes(call.count) & set(options.axis_name)
     )
     return InShardMap(rows, options.axis_name, devices, count_varies)
   on_mesh, by_batch = options.on_mesh, False
   if on_mesh is None:
-    found = placement.explicit_batch_axes(call.args, at)
+    found = arguments.explicit_batch_axes(call.args, at)
     if found is None:
       rows = arguments.check_batch_size(options, at, call.args)
       return OneDevice(rows // options.num_microbatches)

@@ -358,17 +358,21 @@ RULES: tuple[Rule, ...] = (
     "`return_stats` × gradients not averaged",
     "the noise scale measures means",
     "plan",
-    lambda f: f.options.return_stats
-    and any(m not in ("mean", "float0") for m in f.grad_modes or ()),
+    lambda f: (
+      f.options.return_stats
+      and any(m not in ("mean", "float0") for m in f.grad_modes or ())
+    ),
     _stats_of_summed,
   ),
   Rule(
     '`reduce="last"` × `split="contiguous"` on a batch sharded by `accumulate`',
     "the last micro-batch lives on the last devices",
     "plan",
-    lambda f: f.last_path is not None
-    and f.sharded_by_accumulate
-    and f.options.split == "contiguous",
+    lambda f: (
+      f.last_path is not None
+      and f.sharded_by_accumulate
+      and f.options.split == "contiguous"
+    ),
     _last_and_contiguous,
   ),
   Rule(
@@ -397,7 +401,7 @@ RULES: tuple[Rule, ...] = (
   ),
   Rule(
     "`deterministic` × `fit_plan`'s sharded `fsdp_modes`",
-    "refused when named (the default grid keeps `\"gather_once\"` alone)",
+    'refused when named (the default grid keeps `"gather_once"` alone)',
     "fit_plan",
     lambda modes: any(m != "gather_once" for m in modes),
     _fsdp_modes,
