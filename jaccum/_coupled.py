@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.core
@@ -44,7 +44,8 @@ class _TracedOnce:
   The second pass calls the encoder again, under `jax.vjp`: running the
   program traced by the first keeps the user's function traced once per
   compilation (and once more, abstractly, by `_check_rows`), whatever K.
-  `check(args, kwargs, out)` sees the first trace's tracers.
+  `check(args, kwargs, out)` sees the first trace's tracers; `jaxpr` is the
+  traced program, once called.
   """
 
   def __init__(self, fn: Callable[..., Any], check: Callable[..., None]):
@@ -71,37 +72,54 @@ class _TracedOnce:
     out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
     return jax.tree.unflatten(out_tree, out)
 
+  @property
+  def jaxpr(self) -> Any:
+    return self._program[0].jaxpr
 
-def _check_rows(reps: Any, rows: int, at_twice: Callable[[], Any]) -> None:
-  """Refuses a `reps` leaf whose axis 0 is not the micro-batch's rows.
+
+def _row_leaves(tree: Any, has_aux: bool) -> list[tuple[str, Any]]:
+  """`(name, leaf)` for every leaf that needs one row per example."""
+  parts = (("reps", tree[0]), ("row_aux", tree[1])) if has_aux else (("reps", tree),)
+  return [
+    (name + jax.tree_util.keystr(path), leaf)
+    for name, part in parts
+    for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]
+  ]
+
+
+def _check_rows(
+  out: Any, rows: int, at_twice: Callable[[], Any], has_aux: bool
+) -> None:
+  """Refuses a `reps` (or `row_aux`) leaf whose axis 0 is not the micro-batch's rows.
 
   A leaf of `rows` rows may only happen to have them: `at_twice()` (the
   output's shapes on a micro-batch of twice the rows, traced abstractly)
   tells; a function that cannot run on other sizes is taken at its word.
   """
-  flat = jax.tree_util.tree_flatten_with_path(reps)[0]
-  for path, leaf in flat:
+  named = _row_leaves(out, has_aux)
+  which = "reps and row_aux" if has_aux else "reps"
+  for where, leaf in named:
     if np.shape(leaf)[:1] != (rows,):
       raise ValueError(
-        f"reps{jax.tree_util.keystr(path)} (encode_fn's output) has shape "
-        f"{np.shape(leaf)}; every leaf of reps must have the micro-batch's {rows} "
-        f"rows on axis 0, one per example, so that loss_fn sees the whole batch's "
-        f"rows in order. A value that is not per row (a sum or a statistic over "
-        f"the micro-batch) cannot be split back to its rows: return the per-row "
-        f"values and reduce them in loss_fn."
+        f"{where} (encode_fn's output) has shape {np.shape(leaf)}; every leaf of "
+        f"{which} must have the micro-batch's {rows} rows on axis 0, one per "
+        f"example, so that they come back as the whole batch's rows in order. A "
+        f"value that is not per row (a sum or a statistic over the micro-batch) "
+        f"cannot be split back to its rows: return the per-row values and reduce "
+        f"them in loss_fn."
       )
   try:
     twice = jax.tree.leaves(at_twice())
   except Exception:  # the function runs on `rows` rows only: cannot tell
     return
-  for (path, _), bigger in zip(flat, twice, strict=True):
+  for (where, _), bigger in zip(named, twice, strict=True):
     if np.shape(bigger)[:1] != (2 * rows,):
       raise ValueError(
-        f"reps{jax.tree_util.keystr(path)} (encode_fn's output) has {rows} rows "
-        f"on a micro-batch of {rows}, but {np.shape(bigger)[:1]} on one of "
-        f"{2 * rows}: its axis 0 only happens to match the micro-batch's rows. "
-        f"Every leaf of reps must have one row per example on axis 0; reduce "
-        f"values that are not per row in loss_fn."
+        f"{where} (encode_fn's output) has {rows} rows on a micro-batch of "
+        f"{rows}, but {np.shape(bigger)[:1]} on one of {2 * rows}: its axis 0 "
+        f"only happens to match the micro-batch's rows. Every leaf of {which} "
+        f"must have one row per example on axis 0; reduce values that are not "
+        f"per row in loss_fn."
       )
 
 
@@ -128,31 +146,46 @@ def _check_state_only_read(state: Any, new_state: Any, state_argnum: int) -> Non
 
 
 def _encoder(
-  config: Config, at: Positions, args: Sequence[Any], kwargs: dict[str, Any], rows: int
+  config: Config,
+  at: Positions,
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  rows: int,
+  has_aux: bool,
 ) -> _TracedOnce:
   """`encode_fn` as both passes call it, its output checked on the first call."""
   num_bound = len(config.bound_args)
+  returns = "(reps, row_aux)" if has_aux else "reps"
 
   def check(call_args, call_kwargs, out):
-    reps = out
     if at.state is not None:
       if not isinstance(out, tuple | list) or len(out) != 2:
         raise TypeError(
-          f"with state_argnum={at.state}, encode_fn must return (reps, state), "
-          f"got {type(out).__name__} {jax.tree.structure(out)}."
+          f"with state_argnum={at.state}, encode_fn must return ({returns}, "
+          f"state), got {type(out).__name__} {jax.tree.structure(out)}."
         )
-      reps, new_state = out
+      out, new_state = out
       state = call_args[num_bound + at.state]
       _check_state_only_read(state, new_state, at.state)
+    if has_aux and (not isinstance(out, tuple | list) or len(out) != 2):
+      raise TypeError(
+        f"with has_aux=True, encode_fn must return (reps, row_aux)"
+        f"{', then the state' if at.state is not None else ''}: row_aux holds "
+        f"per-row values that come back in the batch's order (None if there are "
+        f"none); got {type(out).__name__} {jax.tree.structure(out)}."
+      )
     _check_rows(
-      reps, rows, lambda: _loop.output_shapes_at(config, at, args, kwargs, 2 * rows)
+      out,
+      rows,
+      lambda: _loop.output_shapes_at(config, at, args, kwargs, 2 * rows),
+      has_aux,
     )
 
   return _TracedOnce(config.grad_fn, check)
 
 
 def _pullback(
-  encoder: _TracedOnce, num_bound: int, has_state: bool
+  encoder: _TracedOnce, num_bound: int, has_state: bool, has_aux: bool
 ) -> Callable[..., Any]:
   """The second pass's micro-step: a micro-batch's cotangent through `encode_fn`.
 
@@ -166,7 +199,8 @@ def _pullback(
     def reps_of(params):
       step_args = [*call_args[:num_bound], params, *call_args[num_bound + 1 :]]
       out = encoder(*step_args, **kwargs)
-      return out[0] if has_state else out
+      out = out[0] if has_state else out
+      return out[0] if has_aux else out
 
     reps, vjp = jax.vjp(reps_of, call_args[num_bound])
     floating = iter(cotangent)
@@ -184,16 +218,73 @@ def _is_floating(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+_MOVES_DATA = [name for name in _collective._COLLECTIVES if name != "pbroadcast"]
+
+
+def _refuse_collectives(name: str, jaxpr: Any, axes: tuple[str, ...]) -> None:
+  """Refuses `name`'s own collectives over the data axes (and, in `loss_fn`,
+  the device index): jaccum gathers the reps and reduces over them itself."""
+  found = []
+  for sub in _collective._jaxprs(jaxpr):
+    for eqn in sub.eqns:
+      prim = eqn.primitive.name
+      watched = prim in _MOVES_DATA or (prim == "axis_index" and name == "loss_fn")
+      param = (
+        "axis_name" if prim == "axis_index" else _collective._COLLECTIVES.get(prim)
+      )
+      over = eqn.params.get(param, ()) if watched and param else ()
+      over = (over,) if isinstance(over, str) else over
+      if set(over) & set(axes) and prim not in found:
+        found.append(prim)
+  if not found:
+    return
+  why = (
+    "so a collective there counts rows, or the loss, more than once, and a "
+    "device index makes the loss differ between devices. Remove it and write "
+    "loss_fn as for one device on the whole batch (a ported trainer's "
+    "all_gather of the embeddings, its pmean of the loss and gradients go)."
+    if name == "loss_fn"
+    else "but encode_fn must map each example on its own: it runs on each "
+    "device's micro-batches, twice, and the gradients are reduced over the data "
+    "axes once. Remove it: statistics over rows or devices belong in loss_fn."
+  )
+  raise ValueError(
+    f"{name} runs {', '.join(found)} over the data axes {axes}: "
+    f"accumulate_coupled gathers every device's reps over them itself, gives "
+    f"loss_fn the whole batch's reps and reduces the gradients once, {why}"
+  )
+
+
 def _loss_and_cotangents(
-  loss_fn: Callable[..., Any], params: Any, reps: Any
-) -> tuple[jax.Array, Any, list[jax.Array]]:
-  """`loss_fn(params, reps)`, its gradient for the params, and the floating
-  leaves of its cotangent for `reps`."""
+  loss_fn: Callable[..., Any],
+  has_aux: bool,
+  params: Any,
+  reps: Any,
+  axes: tuple[str, ...] | None,
+) -> tuple[jax.Array, Any, Any, list[jax.Array]]:
+  """`loss_fn(params, reps)`, its aux (or None), its gradient for the params,
+  and the floating leaves of its cotangent for `reps`."""
+
+  def check(call_args, call_kwargs, out):
+    if has_aux and (not isinstance(out, tuple | list) or len(out) != 2):
+      raise TypeError(
+        f"with has_aux=True, loss_fn must return (loss, aux), as for "
+        f"jax.value_and_grad(has_aux=True); got {type(out).__name__} "
+        f"{jax.tree.structure(out)}."
+      )
+
+  traced = _TracedOnce(loss_fn, check)
   try:
-    loss, vjp = jax.vjp(loss_fn, params, reps)
+    if has_aux:
+      pair = lambda params, reps: tuple(traced(params, reps))
+      loss, vjp, aux = jax.vjp(pair, params, reps, has_aux=True)
+    else:
+      (loss, vjp), aux = jax.vjp(traced, params, reps), None
   except Exception as error:
     _step.mark_user_error(error)
     raise
+  if axes is not None:
+    _refuse_collectives("loss_fn", traced.jaxpr, axes)
   if (
     not isinstance(loss, jax.Array)
     or loss.shape != ()
@@ -201,12 +292,13 @@ def _loss_and_cotangents(
   ):
     got = jax.typeof(loss) if isinstance(loss, jax.Array) else type(loss).__name__
     raise TypeError(
-      f"loss_fn(params, reps) must return a real floating scalar, got {got}."
+      f"loss_fn(params, reps) must return a real floating scalar"
+      f"{' beside its aux' if has_aux else ''}, got {got}."
     )
   direct, cotangents = vjp(jnp.ones_like(loss))
   pairs = zip(jax.tree.leaves(cotangents), jax.tree.leaves(reps), strict=True)
   floating = [g for g, r in pairs if _is_floating(r)]
-  return loss, direct, floating
+  return loss, aux, direct, floating
 
 
 def _batch_size(config: Config, at: Positions, args: Sequence[Any]) -> int:
@@ -219,49 +311,102 @@ def _batch_size(config: Config, at: Positions, args: Sequence[Any]) -> int:
   )
 
 
+class _Result(NamedTuple):
+  """What both passes return.
+
+  Attributes:
+    loss: `loss_fn`'s value on the whole batch's reps.
+    grads: its gradient for the params.
+    aux: with `has_aux`, `(loss_fn's aux, encode_fn's row_aux)`: the first
+      of the whole batch, the second this device's rows in order; else None.
+  """
+
+  loss: Any  # a jax.Array (a PartitionSpec in shard_map's out_specs)
+  grads: Any
+  aux: Any = None
+
+
+def _from_device_zero(
+  leaves: Any, acc: Any, loss: jax.Array, aux: Any, axes: tuple[str, ...]
+) -> tuple[Any, jax.Array, Any]:
+  """The gradients summed over `axes`, and device 0's loss and aux.
+
+  Every device computes the loss and its aux alike, from the same gathered
+  reps: they enter the gradients' psum (one all-reduce) from device 0
+  only, so they come back invariant and exact (x + 0 = x). Keys, which
+  cannot be summed, are sent apart.
+  """
+  first_device = jax.lax.axis_index(axes) == 0
+  flat, treedef = jax.tree.flatten(aux)
+  keyed = [_step.is_typed_key(x) for x in flat]
+  to_sum = [
+    x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    for x, key in zip([loss, *flat], [False, *keyed], strict=True)
+    if not key
+  ]
+  extras = [jnp.where(first_device, x, jnp.zeros_like(x)) for x in to_sum]
+  acc, _, _, summed = _collective.all_reduce(
+    leaves, acc, None, None, axes, extras=extras
+  )
+  loss, *sums = summed
+  sums = iter(sums)
+  flat = [
+    _collective._device_zero(x, axes) if key else next(sums).astype(x.dtype)
+    for x, key in zip(flat, keyed, strict=True)
+  ]
+  return acc, loss, jax.tree.unflatten(treedef, flat)
+
+
 def _two_passes(
   config: Config,
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
   loss_fn: Callable[..., Any],
+  has_aux: bool,
   axes: tuple[str, ...] | None = None,
-) -> tuple[jax.Array, Any]:
-  """`(loss, grads)` over this device's rows; with `axes`, over all devices'.
+) -> _Result:
+  """The loss and gradients over this device's rows; with `axes`, over all devices'.
 
   Inside `shard_map` (or `pmap`) over `axes`, every device gathers the
   batch's `reps` (one all-gather), computes the loss and its cotangents on
   all of them, pulls its own rows back, and one all-reduce sums the
-  gradients. The loss and its direct gradient, the same on every device,
-  enter that sum from device 0 only, so the result is invariant.
+  gradients. The loss, its aux and its direct gradient, the same on every
+  device, enter that sum from device 0 only, so the result is invariant.
   """
   batch_size = _batch_size(config, at, args)
   rows = batch_size // config.num_microbatches
-  encoder = _encoder(config, at, args, kwargs, rows)
+  encoder = _encoder(config, at, args, kwargs, rows, has_aux)
   has_state = at.state is not None
-  reps_of = encoder if not has_state else lambda *a, **k: encoder(*a, **k)[0]
+  outputs = encoder if not has_state else lambda *a, **k: encoder(*a, **k)[0]
   passes = Positions(at.batch, at.rng, None)  # read-only state: an argument
   first = _loop.scan(
-    config._replace(grad_fn=reps_of, reduce="concat"), passes, args, kwargs, axes=axes
+    config._replace(grad_fn=outputs, reduce="concat"), passes, args, kwargs, axes=axes
   )
+  if axes is not None:
+    _refuse_collectives("encode_fn", encoder.jaxpr, axes)
   reps = _reduce.finalize(first.leaves, first.acc, None, config.split)
+  reps, row_aux = reps if has_aux else (reps, None)
   if axes is not None:
     reps = jax.lax.all_gather(reps, axes, axis=0, tiled=True)
   params = args[0] if axes is None else _collective.cast_varying(args[0], axes)
-  loss, direct, cotangents = _loss_and_cotangents(loss_fn, params, reps)
+  loss, aux, direct, cotangents = _loss_and_cotangents(
+    loss_fn, has_aux, params, reps, axes
+  )
   if axes is not None:
-    first_device = jax.lax.axis_index(axes) == 0
+    device = jax.lax.axis_index(axes)
     cotangents = [
-      jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(axes) * batch_size, batch_size)
+      jax.lax.dynamic_slice_in_dim(g, device * batch_size, batch_size)
       for g in cotangents
     ]
     # Computed alike on every device: counted once.
-    loss, direct = jax.tree.map(
-      lambda x: jnp.where(first_device, x, jnp.zeros_like(x)), (loss, direct)
+    direct = jax.tree.map(
+      lambda x: jnp.where(device == 0, x, jnp.zeros_like(x)), direct
     )
   second = _loop.scan(
     config._replace(
-      grad_fn=_pullback(encoder, len(config.bound_args), has_state), reduce="sum"
+      grad_fn=_pullback(encoder, len(config.bound_args), has_state, has_aux),
+      reduce="sum",
     ),
     passes._replace(batch=(*at.batch, len(args))),
     [*args, cotangents],
@@ -270,10 +415,9 @@ def _two_passes(
   )
   acc = _reduce.update(second.leaves, second.acc, direct, jnp.int32(0))
   if axes is not None:
-    acc, _, _, (loss,) = _collective.all_reduce(
-      second.leaves, acc, None, None, axes, extras=[loss]
-    )
-  return loss, _reduce.finalize(second.leaves, acc, None, config.split)
+    acc, loss, aux = _from_device_zero(second.leaves, acc, loss, aux, axes)
+  grads = _reduce.finalize(second.leaves, acc, None, config.split)
+  return _Result(loss, grads, (aux, row_aux) if has_aux else None)
 
 
 def _on_mesh(
@@ -282,9 +426,10 @@ def _on_mesh(
   args: Sequence[Any],
   kwargs: dict[str, Any],
   loss_fn: Callable[..., Any],
+  has_aux: bool,
   mesh: Any,
   axes: tuple[str, ...],
-) -> tuple[jax.Array, Any]:
+) -> _Result:
   """Both passes on every device's rows under `shard_map`, as `data_parallel` runs.
 
   Without type checks (`check_vma=False`, as under `pmap`), the user's
@@ -297,7 +442,7 @@ def _on_mesh(
     # As `data_parallel` does: XLA rejects an all-reduce over a manual axis
     # of one device whose operand is split over another axis (data=1,
     # model=2); with one device over the data axes, nothing is gathered.
-    return _two_passes(config, at, args, kwargs, loss_fn)
+    return _two_passes(config, at, args, kwargs, loss_fn, has_aux)
   # Params sharded over the data axes (on an explicit mesh) are gathered.
   call, placed, in_specs = _placement.placed_call(
     config,
@@ -314,13 +459,14 @@ def _on_mesh(
   def per_device(*arrays):
     local_args, local_kwargs, bound_args, bound_kwargs = _placement.refill(call, arrays)
     local = config._replace(bound_args=bound_args, bound_kwargs=bound_kwargs)
-    return _two_passes(local, at, local_args, local_kwargs, loss_fn, axes)
+    return _two_passes(local, at, local_args, local_kwargs, loss_fn, has_aux, axes)
 
   both_passes = jax.shard_map(
     per_device,
     mesh=mesh,
     in_specs=tuple(in_specs),
-    out_specs=P(),
+    # row_aux: each device's rows, in the batch's order over the devices.
+    out_specs=_Result(P(), P(), (P(), P(axes)) if has_aux else None),
     axis_names=set(axes),
     check_vma=False,
   )
@@ -331,7 +477,7 @@ def _on_mesh(
       raise
     per_device_error = error
   try:
-    out = _two_passes(config, at, args, kwargs, loss_fn)
+    out = _two_passes(config, at, args, kwargs, loss_fn, has_aux)
   except Exception as whole_batch_error:
     raise whole_batch_error from per_device_error
   first_line = (str(per_device_error).strip().splitlines() or [""])[0]
@@ -369,6 +515,30 @@ def _check_params(args: Sequence[Any], at: Positions) -> None:
       )
 
 
+def _refuse_call_keywords(num_real_microbatches: Any, reduce_state: Any) -> None:
+  """Refuses `accumulate`'s call-time keywords, which would reach `encode_fn`."""
+  if num_real_microbatches is not None:
+    count = num_real_microbatches
+    got = jax.typeof(count) if isinstance(count, jax.Array) else f"{count!r:.60}"
+    raise TypeError(
+      f"accumulate_coupled does not take num_real_microbatches (got {got}): "
+      "loss_fn sees the whole batch's reps, in static shapes, and the rows of "
+      "micro-batches that do not run would have to leave the coupling (as "
+      "negatives, from batch statistics), which only loss_fn can do. Mark the "
+      "padding rows instead: pass a per-row mask in the batch, return it from "
+      "encode_fn as a reps leaf (a bool or integer leaf is not differentiated), "
+      "and make loss_fn leave the masked rows out (no negatives, no loss terms: "
+      "see the coupled-losses guide); pad with rows encode_fn maps to finite "
+      "values. Call without num_real_microbatches."
+    )
+  if reduce_state is not None:
+    raise TypeError(
+      "accumulate_coupled does not take reduce_state: it is the state of "
+      "accumulate's reduce_fn, and accumulate_coupled reduces its gradients "
+      "itself, once, by a psum. Call without reduce_state."
+    )
+
+
 def accumulate_coupled(
   encode_fn: Callable[..., Any],
   loss_fn: Callable[[Any, Any], jax.Array],
@@ -384,6 +554,7 @@ def accumulate_coupled(
   axis: str | tuple[str, ...] | None = None,
   unroll: int | bool = 1,
   conv_rewrite: bool = True,
+  has_aux: bool = False,
 ) -> Callable[..., Any]:
   """Exact `value_and_grad` of a loss that couples the batch, over K micro-batches.
 
@@ -420,6 +591,11 @@ def accumulate_coupled(
   whole batch's `reps` and pulls back its own rows' cotangents, and one
   all-reduce sums the gradients. No collective runs inside either loop. K is
   then micro-batches per device: N must be a multiple of devices × K.
+  Write `encode_fn` and `loss_fn` as for one device: a collective of their
+  own over the data axes (a ported trainer's `all_gather` of the embeddings
+  or `pmean` of the loss) would count rows or the loss more than once, and
+  is refused by name; collectives over other mesh axes (tensor parallel)
+  are theirs.
 
   Args:
     encode_fn: `encode_fn(params, microbatch, *rest, **kwargs) -> reps`, called
@@ -458,18 +634,40 @@ def accumulate_coupled(
     unroll: passed to both passes' `lax.scan`.
     conv_rewrite: as for `accumulate`: on CPU, convolutions in the loops take
       XLA's fast layout.
+    has_aux: both functions return a pair: `loss_fn` returns `(loss, aux)`,
+      measurements of the whole batch's reps (accuracy from the logits, a
+      temperature), returned as computed (on a mesh, device 0's, which every
+      device computes alike); `encode_fn` returns `(reps, row_aux)` (then the
+      state, with `state_argnum`), `row_aux` a pytree (None if empty) whose
+      every leaf has one row per example, not differentiated, returned
+      concatenated in the batch's order as `reps` are (on `axis_name`'s
+      route, each device's own rows: give them `P(axis_name)` in your
+      `out_specs`; never gathered). The call returns `((loss, (aux,
+      row_aux)), grads)`: what `jax.value_and_grad(whole, has_aux=True)`
+      returns for `def whole(p, b): reps, row_aux = encode_fn(p, b); loss,
+      aux = loss_fn(p, reps); return loss, (aux, row_aux)`.
 
   Returns:
-    A function `f(params, batch, *rest, **kwargs) -> (loss, grads)` (or
-    `((loss, grads), state)` with `state_argnum`), the gradients in the
-    params' structure and dtypes, usable with or without `jit`.
+    A function `f(params, batch, *rest, **kwargs) -> (loss, grads)` (with
+    `has_aux`, `((loss, (aux, row_aux)), grads)`; with `state_argnum`, that
+    and the state: `(..., state)`), the gradients in the params' structure
+    and dtypes, usable with or without `jit`. Keywords go to `encode_fn`,
+    except `accumulate`'s call-time keywords, which are refused by name:
+    `num_real_microbatches` (the rows of micro-batches that do not run would
+    have to leave the coupling, negatives and batch statistics, which only
+    `loss_fn` can do: pad the batch with rows `encode_fn` maps to finite
+    values, return a per-row mask as a `reps` leaf, and leave the masked rows
+    out in `loss_fn`; see the coupled-losses guide) and `reduce_state` (there
+    is no `reduce_fn`).
 
   Raises:
     TypeError, ValueError: on bad options, when the returned function is
-      traced on arguments that do not fit them, for a `reps` leaf without one
-      row per example on axis 0, a `loss_fn` that does not return a floating
-      scalar, and state that `encode_fn` changes; the message names the
-      argument or the leaf path.
+      traced on arguments that do not fit them, for a `reps` (or `row_aux`)
+      leaf without one row per example on axis 0, a `loss_fn` that does not
+      return a floating scalar (and an aux, with `has_aux`), state that
+      `encode_fn` changes, a collective over the data axes in `encode_fn` or
+      `loss_fn` (or the device index in `loss_fn`), and `accumulate`'s
+      call-time keywords; the message names the argument or the leaf path.
 
   Examples:
     A contrastive loss with in-batch negatives: 8 micro-batches of 4 rows
@@ -517,23 +715,33 @@ def accumulate_coupled(
     unroll=unroll,
     conv_rewrite=conv_rewrite,
   )
+  has_aux = _config._check_bool(has_aux, "has_aux")
   mesh_axes = None
   if mesh is not None or axis is not None:
     mesh_axes = _config.axis_tuple("data" if axis is None else axis, "axis")
 
-  def coupled(*args: Any, **kwargs: Any) -> Any:
+  def coupled(
+    *args: Any,
+    num_real_microbatches: Any = None,
+    reduce_state: Any = None,
+    **kwargs: Any,
+  ) -> Any:
+    _refuse_call_keywords(num_real_microbatches, reduce_state)
     at = _config.positions(config, args, kwargs)
     _check_params(args, at)
     if config.axes is not None:
       _loop.check_axes_bound(config.axes)
-      out = _two_passes(config, at, args, kwargs, loss_fn, config.axes)
+      out = _two_passes(config, at, args, kwargs, loss_fn, has_aux, config.axes)
     elif mesh_axes is not None:
       the_mesh = mesh if mesh is not None else _placement.find_mesh(args, at)
-      out = _on_mesh(config, at, args, kwargs, loss_fn, the_mesh, mesh_axes)
+      out = _on_mesh(config, at, args, kwargs, loss_fn, has_aux, the_mesh, mesh_axes)
     elif (route := _placement.explicit_batch_axes(args, at)) is not None:
-      out = _on_mesh(config, at, args, kwargs, loss_fn, *route)
+      out = _on_mesh(config, at, args, kwargs, loss_fn, has_aux, *route)
     else:
-      out = _two_passes(config, at, args, kwargs, loss_fn)
-    return out if at.state is None else (out, args[at.state])
+      out = _two_passes(config, at, args, kwargs, loss_fn, has_aux)
+    value = (out.loss, out.aux) if has_aux else out.loss
+    return (
+      (value, out.grads) if at.state is None else ((value, out.grads), args[at.state])
+    )
 
   return coupled
