@@ -641,6 +641,10 @@ def psum_loss(params, reps):  # the loss averaged over devices, as under pmap
   return jax.lax.pmean(clip_loss(params, reps), "data")
 
 
+def device_loss(params, reps):  # rows weighed by the device: differs per device
+  return clip_loss(params, reps) * (1 + jax.lax.axis_index("data"))
+
+
 def synced_towers(params, batch):  # reps centred on the mean over all devices
   reps = tower(params["image"], batch["image"])
   return {
@@ -658,6 +662,7 @@ def synced_towers(params, batch):  # reps centred on the mean over all devices
     ("shard_map", two_towers, psum_loss, r"loss_fn runs psum(_invariant)? over"),
     ("mesh", two_towers, psum_loss, r"loss_fn runs psum(_invariant)? over"),
     ("shard_map", synced_towers, clip_loss, r"encode_fn runs psum(_invariant)? over"),
+    ("mesh", two_towers, device_loss, r"loss_fn runs axis_index over"),
   ],
   ids=[
     "gather-shard_map",
@@ -666,6 +671,7 @@ def synced_towers(params, batch):  # reps centred on the mean over all devices
     "psum-shard_map",
     "psum-mesh",
     "encode_psum-shard_map",
+    "device_index-mesh",
   ],
 )
 def test_refuses_collectives_over_the_data_axes(route, encode_fn, loss_fn, match):
@@ -846,6 +852,24 @@ def test_has_aux_matches_the_whole_batch(route, num_microbatches, stateful):
     got, new_state = got
     assert_trees_close(new_state, state[0], rtol=0)
   assert_trees_close(got, jax.device_get(want), rtol=1e-12)
+
+
+def test_has_aux_traces_each_function_once_plus_one_shape_check():
+  traces = []
+
+  def counted_encode(params, batch):
+    traces.append(("encode_fn", batch["image"].shape[0]))
+    return towers_with_row_aux(params, batch)
+
+  def counted_loss(params, reps):
+    traces.append(("loss_fn", reps["image"].shape[0]))
+    return lit_loss_with_aux(params, reps)
+
+  _, _, params, batch = make_problem("clip")
+  step = jaccum.accumulate_coupled(counted_encode, counted_loss, 8, has_aux=True)
+  jax.jit(step).lower(params, batch)
+  rows = BATCH // 8
+  assert traces == [("encode_fn", rows), ("encode_fn", 2 * rows), ("loss_fn", BATCH)]
 
 
 def test_has_aux_refuses_outputs_that_are_not_pairs():
