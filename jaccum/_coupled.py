@@ -218,24 +218,24 @@ def _is_floating(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-_MOVES_DATA = [name for name in _collective._COLLECTIVES if name != "pbroadcast"]
+# Collectives that move data between devices (pbroadcast only casts a type).
+_MOVES_DATA = {n: p for n, p in _collective._COLLECTIVES.items() if n != "pbroadcast"}
 
 
 def _refuse_collectives(name: str, jaxpr: Any, axes: tuple[str, ...]) -> None:
   """Refuses `name`'s own collectives over the data axes (and, in `loss_fn`,
   the device index): jaccum gathers the reps and reduces over them itself."""
+  watched = dict(_MOVES_DATA)
+  if name == "loss_fn":  # every device computes the loss: it must be the same
+    watched["axis_index"] = "axis_name"
   found = []
   for sub in _collective._jaxprs(jaxpr):
     for eqn in sub.eqns:
-      prim = eqn.primitive.name
-      watched = prim in _MOVES_DATA or (prim == "axis_index" and name == "loss_fn")
-      param = (
-        "axis_name" if prim == "axis_index" else _collective._COLLECTIVES.get(prim)
-      )
-      over = eqn.params.get(param, ()) if watched and param else ()
+      param = watched.get(eqn.primitive.name)
+      over = eqn.params.get(param, ()) if param else ()
       over = (over,) if isinstance(over, str) else over
-      if set(over) & set(axes) and prim not in found:
-        found.append(prim)
+      if set(over) & set(axes) and eqn.primitive.name not in found:
+        found.append(eqn.primitive.name)
   if not found:
     return
   why = (

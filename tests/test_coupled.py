@@ -741,7 +741,8 @@ def masked_clip_loss(params, reps):
   return jnp.sum(jnp.where(real, both, 0)) / jnp.sum(real)
 
 
-def test_a_mask_in_reps_is_the_way_to_pad_a_batch():
+@pytest.mark.parametrize("route", ["one device", "explicit"])
+def test_a_mask_in_reps_is_the_way_to_pad_a_batch(route):
   # What the refusal of num_real_microbatches advises: 40 real rows padded
   # to 64, the mask a bool reps leaf; the loss of the 40 rows alone.
   _, _, params, batch = make_problem("clip")
@@ -751,10 +752,12 @@ def test_a_mask_in_reps_is_the_way_to_pad_a_batch():
   def masked_towers(params, batch):
     return {**two_towers(params, batch), "real": batch["real"]}
 
-  step = jaccum.accumulate_coupled(
-    masked_towers, masked_clip_loss, 4, split="contiguous"
-  )
-  got = jax.jit(step)(params, padded)
+  if route == "explicit":  # the mask gathered with the reps
+    step, args = explicit_route(masked_towers, masked_clip_loss, 2, params, padded)
+  else:
+    step = jax.jit(jaccum.accumulate_coupled(masked_towers, masked_clip_loss, 4))
+    args = (params, padded)
+  got = jax.device_get(step(*args))
   real_rows = jax.tree.map(lambda x: x[:40], batch)
   want = whole_batch(two_towers, clip_loss)(params, real_rows)
   assert_trees_close(got, want, rtol=1e-5)
