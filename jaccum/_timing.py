@@ -31,12 +31,13 @@ KeyT = TypeVar("KeyT", bound=Hashable)
 class Timer(Generic[KeyT]):
   """Compiles and times steps within `seconds`, in interleaved rounds.
 
-  Each thing starts only if the time left covers its estimate: a batch
-  of compilations side by side, the longest batch seen so far; a step's first call
-  (its warm-up, not counted), its predicted seconds times the largest ratio
-  of measured to predicted seen so far, and at least `FIRST_CALL_MARGIN`
-  times; a round, the sum of each step's longest call so far. The time spent
-  stays within the bound as long as nothing takes longer than that.
+  Each thing starts only if the time left covers its estimate: a batch of
+  compilations side by side, the longest batch seen so far; a step's first
+  call (its warm-up, not counted), its predicted seconds times the largest
+  ratio of measured to predicted seen so far, and at least
+  `FIRST_CALL_MARGIN` times; a round, the sum of each step's longest call
+  so far. The time spent stays within the bound as long as nothing takes
+  longer than that.
 
   Attributes:
     seconds: the time bound.
