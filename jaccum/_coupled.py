@@ -629,8 +629,9 @@ def accumulate_coupled(
     mesh: the device mesh for the data-parallel route (as `data_parallel`);
       with `axis` and no mesh, the mesh set with `jax.set_mesh` or the
       batch's.
-    axis: the mesh axis (or axes) of the data-parallel route, `"data"` when
-      only `mesh` is given.
+    axis: the mesh axis (or axes) of the data-parallel route; `"data"` when
+      only `mesh` is given: pass it when your mesh names its batch axis
+      otherwise (e.g. `axis="batch"`).
     unroll: passed to both passes' `lax.scan`.
     conv_rewrite: as for `accumulate`: on CPU, convolutions in the loops take
       XLA's fast layout.

@@ -245,9 +245,7 @@ def _route(
   fsdp_mode: str,
 ) -> Route:
   """Checks the mesh, the batch and the FSDP specs; says how the loop runs."""
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"axis={axes} names {missing}, not axes of the mesh {mesh}.")
+  _config.check_mesh_axes(axes, mesh)
   num_devices = math.prod(mesh.shape[a] for a in axes)
   num_microbatches = config.num_microbatches
   batch_size = _loop.check_batch(
@@ -713,7 +711,9 @@ def data_parallel(
     num_microbatches: micro-batches per device, K.
     mesh: the device mesh; defaults to the mesh set with `jax.set_mesh`, else
       the mesh of the batch's sharding.
-    axis: the mesh axis (or axes) the batch is split over.
+    axis: the mesh axis (or axes) the batch is split over; defaults to
+      `"data"`: pass it when your mesh names its batch axis otherwise (e.g.
+      `axis="batch"`).
     param_specs: a `PartitionSpec` per leaf of the first argument (or a pytree
       prefix of it), naming only `axis`, for FSDP; `None` replicates it (or,
       on an explicit mesh, reads its sharding).

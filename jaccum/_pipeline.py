@@ -116,17 +116,19 @@ def pipeline(
     2(S − 1 − s) + 1). With V > 1, chunk v (stage v·S + s, 1/V of the
     device's work) keeps 2S for v < (V − 1)/2, 2S − 1 for v = (V − 1)/2 and
     S for v ≥ V/2: S·⌈3V/2⌉ − (V mod 2) chunk residuals in all (8 + 4 for
-    S = 4, V = 2). Needs `loss_fn`; reverse mode only. From K ≈ 2S on: the
-    least compute, or with `remat` the least memory, which does not grow
-    with K.
+    S = 4, V = 2). Needs `loss_fn`; reverse mode only on the loss, though
+    its gradient differentiates again (`jax.hessian`, Hessian-vector
+    products). From K ≈ 2S on: the least compute, or with `remat` the least
+    memory, which does not grow with K.
   - `"zb-h1"`: F + B + W (= F + B), the zero-bubble schedule ZB-H1 of Qi et
     al.: B runs as soon as the next stage's cotangent arrives, W later, in
     ticks where the device would otherwise idle. A device keeps, per
     micro-batch, the residuals B and W need from F to B or W, and what W
     needs of B from B to W: at most S micro-batches at once, whatever K
     (with `remat`: 2F + B + W; the stage input from F to B, and what W needs
-    from B to W). Needs `loss_fn` and V = 1; reverse mode only. The least
-    idle time: 3K + S − 1 ticks of F, B or W for K ≥ S.
+    from B to W). Needs `loss_fn` and V = 1; as `"1f1b"`, reverse mode only
+    on the loss, its gradient differentiable again. The least idle time:
+    3K + S − 1 ticks of F, B or W for K ≥ S.
 
   In lockstep ticks GPipe and 1F1B take (K + S − 1)(F + B); a stage is idle
   for the bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V`
@@ -182,14 +184,15 @@ def pipeline(
     gets no gradient.
 
   Raises:
-    ValueError: an axis or option is unknown, a mesh axis is neither `axis`
-      nor a data axis, a leading size is not the number of stages, N does
-      not split into D × K micro-batches, `stage_fn` changes its input's
-      structure, shape or dtype, `"1f1b"` or `"zb-h1"` has no `loss_fn`, or
-      `"zb-h1"` has V > 1.
-    TypeError: `num_microbatches` or `num_virtual_stages` is not a positive
-      int, `loss_fn` does not return a floating scalar, `targets` is given
-      without `loss_fn`, `rng` is not a key.
+    ValueError: `num_microbatches` or `num_virtual_stages` is below 1, an
+      axis or option is unknown, a mesh axis is neither `axis` nor a data
+      axis, a leading size is not the number of stages, N does not split
+      into D × K micro-batches, `stage_fn` changes its input's structure,
+      shape or dtype, `"1f1b"` or `"zb-h1"` has no `loss_fn`, or `"zb-h1"`
+      has V > 1.
+    TypeError: `num_microbatches` or `num_virtual_stages` is not an int (or
+      is a bool), `loss_fn` does not return a floating scalar, `targets` is
+      given without `loss_fn`, `rng` is not a key.
 
   Examples:
     One stage of `tanh(x @ w)` per device, two micro-batches, against the

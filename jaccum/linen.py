@@ -152,7 +152,9 @@ def value_and_grad(
     mesh: run on this mesh as `jaccum.data_parallel` does (None: as
       `jaccum.accumulate` does, or on the mesh `jax.set_mesh` set if
       `param_specs` or `fsdp_mode` is given).
-    axis: the mesh axis (or axes) the batch is split over.
+    axis: the mesh axis (or axes) the batch is split over; defaults to
+      `"data"`: pass it when your mesh names its batch axis otherwise (e.g.
+      `axis="batch"`).
     param_specs: a `PartitionSpec` per leaf of `params` (or a prefix);
       entries naming `axis` shard a leaf as FSDP, other axes (tensor
       parallel) are kept.

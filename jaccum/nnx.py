@@ -424,7 +424,9 @@ def value_and_grad(
       the loop, one reduction after it (None: as `jaccum.accumulate` does,
       or on the mesh `jax.set_mesh` set if `param_specs` or `fsdp_mode` is
       given).
-    axis: the mesh axis (or axes) the batch is split over.
+    axis: the mesh axis (or axes) the batch is split over; defaults to
+      `"data"`: pass it when your mesh names its batch axis otherwise (e.g.
+      `axis="batch"`).
     param_specs: a `PartitionSpec` per `wrt` variable (a prefix of the
       `nnx.State` of them); None reads each variable's sharding metadata
       (`nnx.with_partitioning`), `P()` where it has none. Entries naming

@@ -311,6 +311,50 @@ def test_errors_name_the_problem(problem):
     )(params, x, y)
 
 
+def _no_data_axis_fronts():
+  """Each front that takes `mesh=`, given one whose batch axis is "batch"."""
+  from flax import linen, nnx
+
+  import jaccum.linen
+  import jaccum.nnx
+
+  mesh = jax.make_mesh((DEVICES,), ("batch",), axis_types=(AxisType.Auto,))
+  w, x = jnp.ones(4), jnp.ones((2 * DEVICES, 4))
+  loss = lambda w, x: jnp.mean((x @ w) ** 2)
+  model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+  dense = linen.Dense(1)
+  params = dense.init(jax.random.key(0), x)["params"]
+  linen_loss = lambda params, stats, x: jnp.mean(dense.apply({"params": params}, x))
+  return {
+    "data_parallel": lambda: jaccum.data_parallel(jax.grad(loss), 2, mesh=mesh)(w, x),
+    "accumulate_coupled": lambda: jaccum.accumulate_coupled(
+      lambda w, x: x @ w, lambda reps: jnp.mean(reps**2), 2, mesh=mesh
+    )(w, x),
+    "nnx": lambda: jaccum.nnx.value_and_grad(
+      lambda m, x: jnp.mean(m(x) ** 2), 2, mesh=mesh
+    )(model, x),
+    "linen": lambda: jaccum.linen.value_and_grad(linen_loss, 2, mesh=mesh)(
+      params, {}, x
+    ),
+    "fit_microbatches": lambda: jaccum.fit_microbatches(
+      jax.grad(loss), w, x, memory_budget=1 << 30, mesh=mesh
+    ),
+  }
+
+
+@pytest.mark.parametrize(
+  "front",
+  ["data_parallel", "accumulate_coupled", "nnx", "linen", "fit_microbatches"],
+)
+def test_a_mesh_without_a_data_axis_says_axis_defaulted_to_data(front):
+  with pytest.raises(
+    ValueError,
+    match=r"\['data'\], not axes of the mesh .*'batch'.*axis defaults to 'data': "
+    r"pass axis= naming the mesh axes the batch is split over, e.g. axis='batch'",
+  ):
+    _no_data_axis_fronts()[front]()
+
+
 # Code that names the data axis, under data_parallel: each device runs its own
 # rows under shard_map, so collectives over the axis mean "across devices".
 
