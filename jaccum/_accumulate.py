@@ -203,7 +203,10 @@ def accumulate(
     with `return_stats`, it returns `(result, stats)`. It also takes the
     keyword `num_real_microbatches=n` (as optax's `microbatch` does): K is
     then the batch's capacity, and only micro-batches 0..n-1 in split order
-    run (the first n·N/K rows with `split="contiguous"`), in a while loop
+    run (the first n·N/K rows with `split="contiguous"`, for a batch padded
+    at its end; rows k, k + K, … for k < n with `split="strided"`: name the
+    split, a count without one is a ValueError unless `deterministic=True`
+    splits contiguously), in a while loop
     that skips the rest rather than masking them; one compilation serves
     every n. Means divide by what ran (or by its weights), `"sum"`, `"max"`,
     `"min"` and threaded state see only the real micro-batches, `"last"` is

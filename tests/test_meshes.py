@@ -482,6 +482,6 @@ def test_a_data_axis_of_one_device_runs_the_model_axis_as_the_whole_batch_does(
   ]:
     step = jax.jit(jaccum.data_parallel(grad_fn, 4, mesh=mesh, **options))
     assert_trees_close(jax.device_get(step(params, batch)), want, rtol=1e-5)
-  step = jax.jit(jaccum.data_parallel(grad_fn, 4, mesh=mesh))
+  step = jax.jit(jaccum.data_parallel(grad_fn, 4, mesh=mesh, split="strided"))
   got = step(params, batch, num_real_microbatches=jnp.array([3]))
   assert_trees_close(jax.device_get(got), want_kept, rtol=1e-5)

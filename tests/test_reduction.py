@@ -293,11 +293,15 @@ def test_overlap_and_a_count_of_real_micro_batches_are_refused_together():
   count = jnp.int32(K - 1)
   refused = "overlap_reduction=True and num_real_microbatches do not combine"
   step = jax.jit(
-    jaccum.data_parallel(jax.grad(loss), K, mesh=mesh, overlap_reduction=True)
+    jaccum.data_parallel(
+      jax.grad(loss), K, mesh=mesh, overlap_reduction=True, split="strided"
+    )
   )
   with pytest.raises(ValueError, match=refused):
     step.lower(params, x_sharded, num_real_microbatches=count)
-  inner = jaccum.accumulate(jax.grad(loss), K, axis_name="data", overlap_reduction=True)
+  inner = jaccum.accumulate(
+    jax.grad(loss), K, axis_name="data", overlap_reduction=True, split="strided"
+  )
   in_shard_map = jax.jit(
     jax.shard_map(
       lambda p, x, n: inner(p, x, num_real_microbatches=n),
@@ -308,11 +312,13 @@ def test_overlap_and_a_count_of_real_micro_batches_are_refused_together():
   )
   with pytest.raises(ValueError, match=refused):
     in_shard_map.lower(params, x_sharded, count)
-  one_device = jaccum.accumulate(jax.grad(loss), K, overlap_reduction=True)
+  one_device = jaccum.accumulate(
+    jax.grad(loss), K, overlap_reduction=True, split="strided"
+  )
   with pytest.raises(ValueError, match=refused):
     one_device(params, x, num_real_microbatches=K)
   # Either option alone still runs.
-  counted = jax.jit(jaccum.data_parallel(jax.grad(loss), K, mesh=mesh))
+  counted = jax.jit(jaccum.data_parallel(jax.grad(loss), K, mesh=mesh, split="strided"))
   assert_trees_close(
     counted(params, x_sharded, num_real_microbatches=jnp.int32(K)),
     step(params, x_sharded),
