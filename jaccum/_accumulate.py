@@ -169,7 +169,10 @@ def accumulate(
       `jnp.bfloat16`: half the bytes of float32): each device's accumulator
       is cast for it and summed back into its own dtype, so only the reduced
       mean is rounded, never the running sum. None sends the accumulator's
-      dtype. See the data-parallel guide for the measured error.
+      dtype. See the data-parallel guide for the measured error. XLA:CPU
+      sums bf16 in float32: on a mesh with axes besides the data axes the
+      program handed to it sends float32 of the rounded shares (the bf16 form
+      aborts its compiler there); GPUs and TPUs get the bf16 wire.
     reduce_fn: replaces the reduction of the gradient leaves:
       `reduce_fn(grads, axes, state) -> (reduced, new_state)`, called once per
       step with each device's share of the gradients (shares that sum over
@@ -200,7 +203,10 @@ def accumulate(
     with `return_stats`, it returns `(result, stats)`. It also takes the
     keyword `num_real_microbatches=n` (as optax's `microbatch` does): K is
     then the batch's capacity, and only micro-batches 0..n-1 in split order
-    run (the first n·N/K rows with `split="contiguous"`), in a while loop
+    run (the first n·N/K rows with `split="contiguous"`, for a batch padded
+    at its end; rows k, k + K, … for k < n with `split="strided"`: name the
+    split, a count without one is a ValueError unless `deterministic=True`
+    splits contiguously), in a while loop
     that skips the rest rather than masking them; one compilation serves
     every n. Means divide by what ran (or by its weights), `"sum"`, `"max"`,
     `"min"` and threaded state see only the real micro-batches, `"last"` is

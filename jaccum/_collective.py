@@ -18,7 +18,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from jaccum import _exact, _reduce
+from jaccum import _exact, _reduce, _wire
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -218,12 +218,14 @@ def all_reduce(
 
   def on_the_wire(reduce, xs):
     """`reduce(xs)`, with each floating x cast to `wire_dtype` and back."""
-    if wire_dtype is None:
-      return reduce(xs)
     narrow = [
-      x.astype(wire_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs
+      x.astype(wire_dtype)
+      if wire_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+      else x
+      for x in xs
     ]
-    return [r.astype(x.dtype) for r, x in zip(reduce(narrow), xs, strict=True)]
+    sums = _wire.reduced(reduce, narrow)
+    return [r.astype(x.dtype) for r, x in zip(sums, xs, strict=True)]
 
   # Sharded over some axes: scattered over those, summed over the rest.
   by_rest: dict[tuple[str, ...], list[int]] = {}
@@ -268,7 +270,8 @@ def all_reduce(
     if skipped[i]:
       continue
     if p.mode in ("max", "min"):
-      values[i] = (jax.lax.pmax if p.mode == "max" else jax.lax.pmin)(values[i], axes)
+      extreme = jax.lax.pmax if p.mode == "max" else jax.lax.pmin
+      values[i] = _wire.reduced(lambda x, f=extreme: f(x, axes), values[i])
     if total is not None and p.mode == "mean" and p.exact:
       divisor = _reduce.exact_divisor(weights, total)  # pyright: ignore[reportArgumentType]
       values[i] = _exact.divide(values[i], divisor).astype(p.carry_dtype)

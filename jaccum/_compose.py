@@ -16,6 +16,12 @@ a count per device × `grad_fn`'s own       refused: an idle device would join
 collectives over the data axes             them with rows that are not real
 a count per device × FSDP's sharded modes  exact: idle devices join each
                                            reduce-scatter with zeros
+a count × the split left out              refused: strided micro-batches
+                                           spread through the batch, so a
+                                           batch padded at its end loses real
+                                           rows; the message names both
+                                           splits (`deterministic=True`
+                                           splits contiguously: taken)
 a count × `split="contiguous"` on a        refused: the first micro-batches
 batch sharded by `accumulate`              live on the first devices
 `reduce="last"` × `split="contiguous"` on  refused: the last micro-batch
@@ -135,6 +141,52 @@ def count_and_contiguous(axes: Sequence[str]) -> None:
     'just them. Use split="strided" (micro-batch k spans every device), or '
     "jaccum.data_parallel for a count per device."
   )
+
+
+def count_needs_split(
+  config: Config, axes: Sequence[str] | None, sharded: bool
+) -> None:
+  """A count with the split left to its default: refused, naming both splits.
+
+  `axes`: the devices each running its own rows (`data_parallel`,
+  `axis_name`), or with `sharded` the axes over which `accumulate` splits a
+  batch as one; None on one device.
+  """
+  if config.split_named or config.deterministic:
+    return
+  whose = "each device's rows" if axes and not sharded else "the whole batch"
+  ran = (
+    f"num_real_microbatches with the split left out (strided, the default) "
+    f"runs micro-batches 0..n-1 of K={config.num_microbatches}, micro-batch k "
+    f"holding rows k, k + K, k + 2K, … of {whose}: the rows whose index modulo "
+    f"K is below n. A batch padded at its end (as "
+    f"variable-size and Poisson-sampled batches are) would lose real rows and "
+    f"sum padding rows. Name the split: "
+  )
+  strided = (
+    'split="strided" keeps the strided order (put the padding at the rows '
+    "whose index modulo K is n or more)."
+  )
+  if sharded:
+    fix = (
+      f'split="contiguous" cannot take a count on a batch accumulate splits over '
+      f"the explicit mesh axes {tuple(axes or ())} (the first micro-batches live "
+      f"on the first devices): for a batch padded at its end use "
+      f'jaccum.data_parallel with split="contiguous" and a count per device '
+      f"(each device's real rows first); or {strided}"
+    )
+  elif axes:
+    fix = (
+      f'split="contiguous" runs the first n·R/K of each device\'s R rows (for a '
+      f"batch padded at its end: each device's rows padded at their end, a count "
+      f"per device with data_parallel); {strided}"
+    )
+  else:
+    fix = (
+      f'split="contiguous" runs the first n·N/K of the batch\'s N rows (for a '
+      f"batch padded at its end); {strided}"
+    )
+  raise ValueError(ran + fix)
 
 
 def stats_need_means(modes: Sequence[str]) -> None:

@@ -128,6 +128,7 @@ class Config(NamedTuple):
   reduce_dtype: np.dtype | None = None
   reduce_fn: Callable[..., Any] | None = None
   deterministic: bool = False
+  split_named: bool = False
 
 
 def axis_tuple(axis_name: Any, name: str = "axis_name") -> tuple[str, ...]:
@@ -186,7 +187,8 @@ def make_config(
   """Checks every option of `accumulate` that can be checked without arguments.
 
   `split=None` is `"strided"`, or `"contiguous"` with `deterministic=True`
-  (micro-batch m is then rows m·R .. (m+1)·R - 1 whatever K and the devices).
+  (micro-batch m is then rows m·R .. (m+1)·R - 1 whatever K and the devices);
+  `split_named` records whether the caller chose (a count needs it chosen).
   """
   if not callable(grad_fn):
     raise TypeError(f"grad_fn must be callable, got {grad_fn!r}.")
@@ -219,6 +221,7 @@ def make_config(
     reduce_dtype=_reduce.check_accum_dtype(reduce_dtype, "reduce_dtype"),
     reduce_fn=_check_reduce_fn(reduce_fn),
     deterministic=deterministic,
+    split_named=split is not None,
   )
   _compose.check_options(config, split)
   return config

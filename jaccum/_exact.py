@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaccum import _wire
+
 BITS = 16
 MAX_TERMS = 2**15 - 1
 # Bins per element, and the range of tops whose scales 2^(-16 b) (b from
@@ -280,12 +282,12 @@ def psum(xs: Sequence[Any], axes: Sequence[str]) -> list[Any]:
   """
   positions = [i for i, x in enumerate(xs) if is_acc(x)]
   if not positions:
-    return jax.lax.psum(list(xs), tuple(axes))
+    return _wire.reduced(lambda xs: jax.lax.psum(xs, tuple(axes)), list(xs))
   tops = _global_tops([xs[i] for i in positions], axes)
   parts = [x.bins if is_acc(x) else x for x in xs]
   for i, (top, _) in zip(positions, tops, strict=True):
     parts[i] = _integers(_align(xs[i], top))
-  summed = jax.lax.psum(parts, tuple(axes))
+  summed = _wire.reduced(lambda xs: jax.lax.psum(xs, tuple(axes)), parts)
   for i, (top, bad) in zip(positions, tops, strict=True):
     summed[i] = value(Acc(tuple(summed[i]), top, bad > 0))
   return summed

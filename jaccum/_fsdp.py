@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, Literal, Var
 
-from jaccum import _reduce
+from jaccum import _reduce, _wire
 
 
 def psum_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
@@ -43,7 +43,12 @@ def psum_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   makes them manual too: each tensor-parallel shard is scattered on its own,
   which is the same sum.
   """
-  scatter = lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True)
+
+  def scatter(v):
+    return _wire.reduced(
+      lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True), v
+    )
+
   spec = tuple(getattr(jax.typeof(x).sharding, "spec", ()))
   explicit = {
     a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))

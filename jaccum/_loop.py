@@ -589,6 +589,7 @@ def run(
     # Inside the user's shard_map, a count may differ between devices.
     count_varies = bool(_collective.varying_axes(num_real) & set(config.axes or ()))
     num_real = check_num_real(num_real, config.num_microbatches)
+    _compose.count_needs_split(config, config.axes, sharded=False)
   local = scan(
     config,
     at,

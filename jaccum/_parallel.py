@@ -298,10 +298,12 @@ def _count(config: Config, num_real: Any, route: Route, unsharded_meaning: bool)
     count = _loop.check_num_real(num_real, route.per_step)
     first = config.num_microbatches * jnp.arange(route.num_devices, dtype=jnp.int32)
     return jnp.clip(count - first, 0, config.num_microbatches)
+  one_per_device = 0 if unsharded_meaning else route.num_devices
+  count = _loop.check_num_real(num_real, config.num_microbatches, one_per_device)
+  _compose.count_needs_split(config, route.axes, sharded=unsharded_meaning)
   if unsharded_meaning and config.split == "contiguous":
     _compose.count_and_contiguous(route.axes)
-  one_per_device = 0 if unsharded_meaning else route.num_devices
-  return _loop.check_num_real(num_real, config.num_microbatches, one_per_device)
+  return count
 
 
 def _per_device(

@@ -892,14 +892,18 @@ def refuse_overlap_and_a_count(route_name):
   grad_fn, params = make_grad_fn(False, False), make_params(jnp.float32)
   count = jnp.int32(SOME)
   if route_name == "one_device":
-    step = jaccum.accumulate(grad_fn, K, overlap_reduction=True)
+    step = jaccum.accumulate(grad_fn, K, overlap_reduction=True, split="strided")
     return jax.jit(step)(params, make_batch(0), num_real_microbatches=count)
   mesh, _, batch = refusal_setup()
   if route_name == "data_parallel":
-    step = jaccum.data_parallel(grad_fn, K, mesh=mesh, overlap_reduction=True)
+    step = jaccum.data_parallel(
+      grad_fn, K, mesh=mesh, overlap_reduction=True, split="strided"
+    )
     counts = jnp.asarray(PER_DEVICE_COUNTS, jnp.int32)
     return jax.jit(step)(params, batch, num_real_microbatches=counts)
-  step = jaccum.accumulate(grad_fn, K, axis_name="data", overlap_reduction=True)
+  step = jaccum.accumulate(
+    grad_fn, K, axis_name="data", overlap_reduction=True, split="strided"
+  )
   in_shard_map = jax.shard_map(
     lambda p, b, n: step(p, b, num_real_microbatches=n),
     mesh=mesh,
@@ -919,9 +923,26 @@ def refuse_a_count_per_device_and_collectives():
     params, batch, None, None
   )
   mesh, params, batch = refusal_setup()
-  step = jaccum.data_parallel(grad_fn, K, mesh=mesh)
+  step = jaccum.data_parallel(grad_fn, K, mesh=mesh, split="strided")
   counts = jnp.asarray(PER_DEVICE_COUNTS, jnp.int32)
   jax.jit(step)(params, batch, num_real_microbatches=counts)
+
+
+def refuse_a_count_with_the_split_left_out(route_name):
+  grad_fn, params = make_grad_fn(False, False), make_params(jnp.float32)
+  count = jnp.int32(SOME)
+  if route_name == "one_device":
+    step = jaccum.accumulate(grad_fn, K)
+    return jax.jit(step)(params, make_batch(0), num_real_microbatches=count)
+  mesh, _, batch = refusal_setup()
+  if route_name == "data_parallel":
+    step = jaccum.data_parallel(grad_fn, K, mesh=mesh)
+    counts = jnp.asarray(PER_DEVICE_COUNTS, jnp.int32)
+    return jax.jit(step)(params, batch, num_real_microbatches=counts)
+  _, _, batch = refusal_setup(AxisType.Explicit)  # accumulate splits it as one
+  return jax.jit(jaccum.accumulate(grad_fn, K))(
+    params, batch, num_real_microbatches=count
+  )
 
 
 def refuse_a_count_and_contiguous_on_a_sharded_batch():
@@ -1029,6 +1050,14 @@ REFUSALS = {
     [refuse_a_count_per_device_and_collectives],
     r"num_real_microbatches with a count that differs between devices, and a "
     r"grad_fn that communicates over the data axes \['data'\]",
+  ),
+  "a count × the split left out": (
+    [
+      functools.partial(refuse_a_count_with_the_split_left_out, route)
+      for route in ("one_device", "data_parallel", "sharded")
+    ],
+    r"num_real_microbatches with the split left out \(strided, the default\) "
+    r"runs micro-batches 0..n-1 of K=4, micro-batch k holding rows k, k \+ K",
   ),
   'a count × `split="contiguous"` on a batch sharded by `accumulate`': (
     [refuse_a_count_and_contiguous_on_a_sharded_batch],
