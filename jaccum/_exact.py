@@ -10,12 +10,13 @@ of the slices of `L` consecutive bins, below the highest bin in use (`top`):
 the binned, or "indexed", sums of ReproBLAS, in integers. Integer addition is
 exact and associative, so the bins hold the same integers whatever order the
 terms arrive in and however they are grouped into micro-batches and devices.
-`top` is the bin the largest magnitude seen so far needs; when a larger term
-raises it, the lowest bins are dropped, which are exactly the slices that
-every term loses when the sum is read at the final `top`. That `top` is a
-function of the largest magnitude over all the terms of the leaf (a maximum:
-itself order-free), so the scale of a leaf does not depend on how the terms
-were divided.
+`top` is the bin the largest magnitude seen so far needs (a term of zeros
+needs none: it leaves `top` where it is); when a larger term raises it, the
+lowest bins are dropped, which are exactly the slices that every term loses
+when the sum is read at the final `top`. That `top` is a function of the
+largest magnitude over all the terms of the leaf (a maximum: itself
+order-free), so the scale of a leaf does not depend on how the terms were
+divided.
 
 Bin `b` lives in slot `b mod L` of the carry, so raising `top` only zeroes the
 slots of the bins dropped: each slot is updated from itself alone, in place.
@@ -23,19 +24,30 @@ On a device the slots are floats holding integers (exact up to 2^24: at most
 `MAX_PER_DEVICE` terms of float32, 512; float adds are cheaper than integer
 conversions); devices combine with a `pmax` of the tops, then one integer
 `psum` of the slots aligned to that top (`psum`, `scatter`). The sum is read
-back into a float once (`value`): the bins carried into each other (exact),
-then added as floats in a fixed order, a deterministic function of the bins.
+back once (`Total`): the bins carried into each other (exact), then added as
+floats in a fixed order, a deterministic function of the bins, and scaled
+by the lowest bin's power of two when it becomes a float (`value`), or after
+a mean's division (`divide`), so that a sum beyond the dtype's range still
+gives its mean.
 
 Accuracy (`L = 3` bins for float32 and narrower, 5 for float64). With `F` the
 largest magnitude of a leaf's `n` terms, each term loses at most
 `2^-32 F` (float64: `2^-64 F`) below the lowest bin, and the read-back is
-within 1.5 ulp of the bins' exact sum: `|value - Σ x| <= n 2^-32 F + 1.5 ulp`.
-A mean then adds one rounding (its division). A leaf whose largest magnitude
-is below `2^-80` (float64: `2^-944`) is kept at the resolution of that floor
-(`2^-112`, `2^-1008`); a term of `2^111` or more (float64: `2^1007`), as one
-that is not finite, makes its whole leaf NaN. The int32 bins hold at most
-`MAX_TERMS` = 2^15 - 1 terms over all devices (sums of slices of at most
-2^15, with room for the carries when read back).
+within 1.5 ulp of the bins' exact sum: `|value - Σ x| <= n 2^-32 F + 1.5 ulp`,
+wherever the result is a normal float. A mean then adds one rounding (its
+division). The range of tops covers every term `w·x` of a normal weight and
+a normal term (for float32, bins from `2^-288` and terms below `2^271`), the
+powers of two applied in three factors that are each a normal float; a
+weight's power of two joins the bins' scale (`add`), so `w·x` is never
+rounded into the subnormals or overflowed on the way in. A non-finite term
+makes its whole leaf NaN. The int32 bins hold at most `MAX_TERMS` = 2^15 - 1
+terms over all devices (sums of slices of at most 2^15, with room for the
+carries when read back).
+
+Derivatives: the sum is linear, and differentiates as a float sum does
+(`jax.grad` of a gradient penalty, `jax.jvp`): each exact operation has a
+custom JVP that carries the tangent, in absolute units, in the first slot's
+tangent (a `Total`: its significand's), so tangents add as ordinary floats.
 """
 
 from __future__ import annotations

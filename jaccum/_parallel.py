@@ -744,9 +744,9 @@ def data_parallel(
     modes, whose collectives inside the loop need every device: there the
     devices run in step, as many micro-batches as the busiest, the others
     joining with a weight of 0). `"mean"`, `"sum"`, `"max"` and
-    `"min"` leaves come back replicated, gradients of FSDP-sharded params
-    sharded like them, `"concat"` and `"last"` leaves (one row per example)
-    sharded over `axis`, in the batch's row order.
+    `"min"` leaves come back replicated (`"last"` too with `deterministic`),
+    gradients of FSDP-sharded params sharded like them, `"concat"` and
+    `"last"` leaves (one row per example) sharded over `axis`, in row order.
 
   Raises:
     TypeError, ValueError: as `accumulate` does, and if `axis` is not a mesh
