@@ -679,6 +679,23 @@ def test_the_bound_holds_over_float32s_normal_range(scale):
   _assert_within_the_bound(_row_sums(terms), terms)
 
 
+@pytest.mark.parametrize("scale", [1e-300, 1e306])
+def test_the_bound_holds_over_float64s_normal_range(scale):
+  """Five bins: n·2^-64·F + 1.5 ulp, against the exact sum (fractions)."""
+  from fractions import Fraction
+
+  rng = np.random.default_rng(2)
+  terms = rng.uniform(0.5, 1, (8, 16)) * scale * rng.choice([-1.0, 1.0], (8, 16))
+  with jax.enable_x64(True):
+    got = _row_sums(terms)
+  assert got.dtype == np.float64
+  exact = [sum(map(Fraction, column)) for column in terms.T]
+  ulp = np.spacing(np.abs(np.array([float(e) for e in exact])))
+  bound = [Fraction(8 * 2.0**-64 * np.abs(terms).max() + 1.5 * u) for u in ulp]
+  errors = [abs(Fraction(g) - e) for g, e in zip(got, exact, strict=True)]
+  assert all(error <= b for error, b in zip(errors, bound, strict=True))
+
+
 @pytest.mark.parametrize("scale", [1e-35, 1e33])
 def test_weights_at_the_ends_of_float32s_range_give_the_weighted_mean(scale):
   """`weight_fn` weights scaled by 1e-35 (w·g of a small gradient entry is
