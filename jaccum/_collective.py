@@ -11,6 +11,7 @@ loop removes that psum; the loop then runs with no communication, and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -136,22 +137,35 @@ def first_microbatch(
 def _from_device(x: jax.Array, axes: tuple[str, ...], holder: Any) -> jax.Array:
   """The value of `x` on device `holder` of `axes`, on every device.
 
-  Bit for bit for any dtype, keys too: floats travel as integers of their
-  width (a sum of one integer and zeros), so -0.0 and NaNs keep their bits.
+  Bit for bit for any dtype, keys too (a sum of one value and zeros).
   """
+  mine = jax.lax.axis_index(axes) == holder
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return _float_from(axes, x, mine)
   is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
   data = jax.random.key_data(x) if is_key else x
   as_int = data.astype(jnp.int32) if data.dtype == jnp.bool_ else data
-  if jnp.issubdtype(data.dtype, jnp.floating):
-    as_int = jax.lax.bitcast_convert_type(data, f"int{8 * data.dtype.itemsize}")
-  mine = jax.lax.axis_index(axes) == holder
   picked = jax.lax.psum(jnp.where(mine, as_int, jnp.zeros_like(as_int)), axes)
-  if jnp.issubdtype(data.dtype, jnp.floating):
-    picked = jax.lax.bitcast_convert_type(picked, data.dtype)
   picked = picked.astype(data.dtype)
   return (
     jax.random.wrap_key_data(picked, impl=jax.random.key_impl(x)) if is_key else picked
   )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _float_from(axes: tuple[str, ...], x: jax.Array, mine: jax.Array) -> jax.Array:
+  """`_from_device` for floats: as integers of their width, so that -0.0 and
+  NaNs keep their bits; its derivative is the picked device's."""
+  as_int = jax.lax.bitcast_convert_type(x, f"int{8 * x.dtype.itemsize}")
+  picked = jax.lax.psum(jnp.where(mine, as_int, jnp.zeros_like(as_int)), axes)
+  return jax.lax.bitcast_convert_type(picked, x.dtype)
+
+
+@_float_from.defjvp
+def _float_from_jvp(axes, primals, tangents):
+  x, mine = primals
+  picked = jax.lax.psum(jnp.where(mine, tangents[0], jnp.zeros_like(tangents[0])), axes)
+  return _float_from(axes, x, mine), picked
 
 
 def _last_holder(axes: tuple[str, ...], ran: Any) -> jax.Array:

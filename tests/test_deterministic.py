@@ -818,10 +818,16 @@ def test_last_is_the_global_last_microbatch_on_every_split_and_route():
   grad_fn = _with_last(loss)
   one = jax.jit(jaccum.accumulate(grad_fn, 8, **options))(params, batch, key)
   assert_trees_close(one[1], expected, rtol=1e-6)
+  last_loss = lambda p: loss(p, last_rows, jax.random.fold_in(key, 7))
+  expected_jvp = jax.jvp(last_loss, (params,), (params,))[1]
   for devices, k in [(1, 8), (2, 4), (8, 1)]:
     mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
     step = jaccum.data_parallel(grad_fn, k, mesh=mesh, **options)
     assert_same_bits(jax.jit(step)(params, batch, key), one)
+    with jax.set_mesh(mesh):  # its derivative is the last micro-batch's too
+      last = lambda p, step=step: jax.jit(step)(p, batch, key)[1][0]
+      jvp = jax.jvp(last, (params,), (params,))[1]
+    np.testing.assert_allclose(jvp, expected_jvp, rtol=1e-5)
     explicit = jax.make_mesh(
       (devices,),
       ("data",),
