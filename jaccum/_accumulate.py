@@ -127,7 +127,8 @@ def accumulate(
       enters the backward pass), then one all-reduce combines the devices:
       weighted means with weights summed over devices, sums, maxima. The
       `pmean` of gradients a `pmap` train step usually has becomes redundant;
-      drop it. `"concat"` and `"last"` leaves stay per device. Threaded
+      drop it. `"concat"` and `"last"` leaves stay per device (`"last"`
+      with `deterministic=True`: the global last micro-batch's). Threaded
       floating state is averaged over devices, other state takes device 0's
       value. Inside a `shard_map` that checks types, arrays reached by
       closure are the same on every device and JAX sums their gradients in
@@ -192,8 +193,13 @@ def accumulate(
       error against the exact sum of the float terms is below n·2^-32 times
       the leaf's largest term plus 1.5 ulp (float32; the guide
       "Reproducible and elastic accumulation" has the measured accuracy and
-      cost: 3 int32 per element in the carry and on the wire). A non-finite
-      term makes its whole leaf NaN. Not with `split="strided"`, a
+      cost: 3 int32 per element in the carry and on the wire), over
+      float32's whole normal range (weights too); a term of zeros (a padding
+      micro-batch) changes no bit. A non-finite term makes its whole leaf
+      NaN. It differentiates as a sum (`jax.grad` of a gradient penalty).
+      `"last"` leaves are those of the global order's last micro-batch (the
+      last that ran, with a count), the same on every device. Not with
+      `split="strided"`, a
       `state_argnum` state holding arrays, `reduce_fn`, `reduce_dtype`,
       FSDP's in-loop modes, or more than 2¹⁵ - 1 micro-batches over all
       devices (a ValueError names both options).

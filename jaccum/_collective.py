@@ -11,6 +11,7 @@ loop removes that psum; the loop then runs with no communication, and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -133,18 +134,44 @@ def first_microbatch(
   return jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < device, counts, 0))
 
 
-def _device_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """Device 0's value of `x` on every device (exact for any dtype, keys too)."""
+def _from_device(x: jax.Array, axes: tuple[str, ...], holder: Any) -> jax.Array:
+  """The value of `x` on device `holder` of `axes`, on every device.
+
+  Bit for bit for any dtype, keys too (a sum of one value and zeros).
+  """
+  mine = jax.lax.axis_index(axes) == holder
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return _float_from(axes, x, mine)
   is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
   data = jax.random.key_data(x) if is_key else x
   as_int = data.astype(jnp.int32) if data.dtype == jnp.bool_ else data
-  first = jax.lax.psum(
-    jnp.where(jax.lax.axis_index(axes) == 0, as_int, jnp.zeros_like(as_int)), axes
-  )
-  first = first.astype(data.dtype)
+  picked = jax.lax.psum(jnp.where(mine, as_int, jnp.zeros_like(as_int)), axes)
+  picked = picked.astype(data.dtype)
   return (
-    jax.random.wrap_key_data(first, impl=jax.random.key_impl(x)) if is_key else first
+    jax.random.wrap_key_data(picked, impl=jax.random.key_impl(x)) if is_key else picked
   )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _float_from(axes: tuple[str, ...], x: jax.Array, mine: jax.Array) -> jax.Array:
+  """`_from_device` for floats: as integers of their width, so that -0.0 and
+  NaNs keep their bits; its derivative is the picked device's."""
+  as_int = jax.lax.bitcast_convert_type(x, f"int{8 * x.dtype.itemsize}")
+  picked = jax.lax.psum(jnp.where(mine, as_int, jnp.zeros_like(as_int)), axes)
+  return jax.lax.bitcast_convert_type(picked, x.dtype)
+
+
+@_float_from.defjvp
+def _float_from_jvp(axes, primals, tangents):
+  x, mine = primals
+  picked = jax.lax.psum(jnp.where(mine, tangents[0], jnp.zeros_like(tangents[0])), axes)
+  return _float_from(axes, x, mine), picked
+
+
+def _last_holder(axes: tuple[str, ...], ran: Any) -> jax.Array:
+  """The highest-indexed device of `axes` that ran a micro-batch (-1: none)."""
+  device = jax.lax.axis_index(axes)
+  return jax.lax.pmax(jnp.where(ran, device, -1), axes)
 
 
 def all_reduce(
@@ -158,6 +185,7 @@ def all_reduce(
   *,
   wire_dtype: Any = None,
   skip: Sequence[bool] | None = None,
+  last_ran: Any = None,
 ) -> tuple[Any, jax.Array | None, Any, list[jax.Array]]:
   """Combines the per-device accumulators, one fused all-reduce for the sums.
 
@@ -166,7 +194,10 @@ def all_reduce(
   `Σ_d norm_d acc_d / Σ_d total_d` (`weights`), in float32 at least. These
   sums, the total weight and the floating state go into a single `psum` (XLA fuses its
   operands into one all-reduce); `"max"` and `"min"` leaves take a `pmax` and
-  a `pmin`. `"concat"` and `"last"` leaves stay per device. Leaves given an
+  a `pmin`. `"concat"` and `"last"` leaves stay per device, but with
+  `last_ran` (`deterministic=True`: whether this device ran a micro-batch)
+  every device gets the `"last"` leaves of the highest-indexed device that
+  did: the last micro-batch of the global order. Leaves given an
   `_fsdp.Sharded` in `scatter` (one entry per leaf; FSDP gradients) are
   reduce-scattered over its axes instead, so each device keeps the shard its
   parameters live on, and summed over the other data axes (HSDP's replicas);
@@ -186,7 +217,8 @@ def all_reduce(
   Exact sums (`deterministic=True`: exact leaves, the weights, the
   statistics) go into the same psum as int32 bins aligned over `axes`, or are
   reduce-scattered as integers (`_exact.psum`, `_exact.scatter`), and come
-  back as floats: sums, or weighted means divided once by the total.
+  back as floats, or as `_exact.Total`s for `_reduce.finalize` to read: sums,
+  or means divided once by the total.
 
   Returns:
     `(acc, total, state, extras)` combined over devices; `total` is the summed
@@ -261,24 +293,15 @@ def all_reduce(
     to_sum.append(total)
   to_sum = _exact.psum(to_sum, axes) if to_sum else []
   num_devices = jax.lax.axis_size(axes)
-  total = to_sum.pop() if weighted else None
-  summed_extras = to_sum[len(to_sum) - len(extras) :]
+  exact_total = to_sum.pop() if weighted else None
+  total = _exact.as_float(exact_total)
+  summed_extras = [_exact.as_float(x) for x in to_sum[len(to_sum) - len(extras) :]]
   for i, value, dtype in zip(summed, to_sum[: len(fused)], leaf_dtypes, strict=False):
-    values[i] = value.astype(dtype)
+    values[i] = value if _exact.is_exact(value) else value.astype(dtype)
   sums = iter(to_sum[len(fused) : len(to_sum) - len(extras)])
-  for i, p in enumerate(plans):
-    if skipped[i]:
-      continue
-    if p.mode in ("max", "min"):
-      extreme = jax.lax.pmax if p.mode == "max" else jax.lax.pmin
-      values[i] = _wire.reduced(lambda x, f=extreme: f(x, axes), values[i])
-    if total is not None and p.mode == "mean" and p.exact:
-      divisor = _reduce.exact_divisor(weights, total)  # pyright: ignore[reportArgumentType]
-      values[i] = _exact.divide(values[i], divisor).astype(p.carry_dtype)
-    elif total is not None and p.mode == "mean":
-      values[i] = _reduce.weighted_mean(values[i], total).astype(p.carry_dtype)
+  _combine_the_rest(plans, values, skipped, axes, weights, exact_total, last_ran)
   state_values = [
-    next(sums) / num_devices if f else _device_zero(s, axes)
+    next(sums) / num_devices if f else _from_device(s, axes, 0)
     for s, f in zip(state_values, floating, strict=True)
   ]
   return (
@@ -287,6 +310,36 @@ def all_reduce(
     jax.tree.unflatten(state_def, state_values),
     summed_extras,
   )
+
+
+def _combine_the_rest(
+  plans: Sequence[_reduce.Leaf],
+  values: list[Any],
+  skipped: Sequence[bool],
+  axes: tuple[str, ...],
+  weights: _reduce.Weights | None,
+  total: Any,
+  last_ran: Any,
+) -> None:
+  """`all_reduce`'s leaves after the sums, in place: maxima, minima, the
+  global last micro-batch's leaves (`last_ran`), weighted means divided."""
+  holder = None
+  if last_ran is not None and any(p.mode == "last" for p in plans):
+    holder = _last_holder(axes, last_ran)
+  for i, p in enumerate(plans):
+    if skipped[i]:
+      continue
+    if p.mode in ("max", "min"):
+      extreme = jax.lax.pmax if p.mode == "max" else jax.lax.pmin
+      values[i] = _wire.reduced(lambda x, f=extreme: f(x, axes), values[i])
+    if p.mode == "last" and holder is not None:
+      values[i] = _from_device(values[i], axes, holder)
+    if total is not None and p.mode == "mean" and p.exact:
+      divisor = _reduce.exact_divisor(weights, total)  # pyright: ignore[reportArgumentType]
+      values[i] = _exact.divide(values[i], divisor).astype(p.carry_dtype)
+    elif total is not None and p.mode == "mean":
+      mean = _reduce.weighted_mean(values[i], _exact.as_float(total))
+      values[i] = mean.astype(p.carry_dtype)
 
 
 def gradient_part(mask: Any) -> int | None:

@@ -56,6 +56,9 @@ micro-batches per device, or 2¹⁵ - 1 over  terms
 all devices
 `deterministic` × a count, on a batch      exact: device d runs the global
 sharded by `accumulate`                    micro-batches d·K .. that are real
+`deterministic` × `reduce="last"`          exact: the global order's last
+                                           micro-batch (the last that ran),
+                                           the same on every device
 `deterministic` × everything else          exact, and the same bits whatever
                                            K and the devices
 =========================================  =====================================

@@ -351,7 +351,7 @@ def _from_device_zero(
   loss, *sums = summed
   sums = iter(sums)
   flat = [
-    _collective._device_zero(x, axes) if key else next(sums).astype(x.dtype)
+    _collective._from_device(x, axes, 0) if key else next(sums).astype(x.dtype)
     for x, key in zip(flat, keyed, strict=True)
   ]
   return acc, loss, jax.tree.unflatten(treedef, flat)

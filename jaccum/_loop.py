@@ -162,8 +162,10 @@ def _measure(
   w = jnp.asarray(rows if weight is None else weight, jnp.float32)
   norm = _stats.sq_norm(out, whole_grads, split) + sum(norms, jnp.float32(0))
   sq_sum, count = stats
-  term = jnp.where(w != 0, w * norm, 0)
-  sq_sum = _exact.add(sq_sum, term) if _exact.is_acc(sq_sum) else sq_sum + term
+  if _exact.is_acc(sq_sum):
+    sq_sum = _exact.add(sq_sum, norm, w)
+  else:
+    sq_sum = sq_sum + jnp.where(w != 0, w * norm, 0)
   return sq_sum, count + (w != 0).astype(jnp.float32)
 
 
@@ -534,14 +536,19 @@ def stats_of(
 
 
 def _combine_devices(
-  config: Config, local: Local, num_terms: int, reduce_state: Any
+  config: Config, local: Local, num_terms: int, reduce_state: Any, num_real: Any
 ) -> tuple[Any, Any, Any, list[jax.Array], Any, Any]:
   """The one reduction over `config.axes`, and `reduce_fn` where it is given.
 
+  With `deterministic=True`, `"last"` leaves come from the last device that
+  ran a micro-batch (`num_real`: this device's count, None for all K).
   Returns `(acc, total, state, extras, final, reduce_state)`, combined.
   """
   assert config.axes is not None
   hooked = config.reduce_fn is not None
+  last_ran = None
+  if config.deterministic:
+    last_ran = True if num_real is None else num_real > 0
   acc, total, state, extras = _collective.all_reduce(
     local.leaves,
     local.acc,
@@ -551,6 +558,7 @@ def _combine_devices(
     extras=list(local.stats or ()),
     wire_dtype=config.reduce_dtype,
     skip=jax.tree.leaves(local.grad_mask) if hooked else None,
+    last_ran=last_ran,
   )
   final = None
   if hooked:
@@ -605,7 +613,7 @@ def run(
     total = _reduce.weight_sum(local.total)
   if config.axes is not None:
     acc, total, state, extras, final, reduce_state = _combine_devices(
-      config, local, num_terms, reduce_state
+      config, local, num_terms, reduce_state, num_real
     )
     weights = None  # combined: the weighted means are final
   else:

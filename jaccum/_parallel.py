@@ -80,15 +80,18 @@ def _check_per_device_leaves(
   axes: tuple[str, ...],
   contiguous: bool,
   shapes_at: Callable[[int], Any],
+  deterministic: bool = False,
 ) -> None:
   """Refuses `"last"` and `"concat"` leaves that are not one row per example.
 
   Every device returns its own rows of them, so only per-example rows make
   one array. A leaf whose leading size is the per-device micro-batch's may
   still only happen to have it: `shapes_at(n)` (the output's shapes on n
-  rows, traced abstractly) tells, where any such leaf exists.
+  rows, traced abstractly) tells, where any such leaf exists. Not `"last"`
+  with `deterministic`: the global last micro-batch's, whole, any shape.
   """
   flat = jax.tree_util.tree_flatten_with_path(local.leaves, is_leaf=_reduce.is_plan)[0]
+  flat = [(path, p) for path, p in flat if not (deterministic and p.mode == "last")]
   bigger = None
   if any(p.mode in ("last", "concat") and p.shape[:1] == (rows,) for _, p in flat):
     try:
@@ -398,15 +401,17 @@ class Layout(NamedTuple):
   out_specs: list[P]
 
 
-def _layout(local: _loop.Local, route: Route) -> Layout:
-  """Where each output leaf lives after the reduction."""
+def _layout(local: _loop.Local, route: Route, deterministic: bool) -> Layout:
+  """Where each output leaf lives after the reduction (`"last"` with
+  `deterministic`: the global last micro-batch's, on every device)."""
   plans = jax.tree.leaves(local.leaves, is_leaf=_reduce.is_plan)
   grads = jax.tree.leaves(local.grad_mask)
   # FSDP gradients come back sharded like their params: scattered after the
   # loop ("gather_once"), or by every micro-step (the loop's plan says so).
   scatter: list[_fsdp.Sharded | None] = [None] * len(plans)
   sharded: list[_fsdp.Sharded | None] = [p.scattered for p in plans]
-  out_specs = [P(route.axes) if p.mode in ("concat", "last") else P() for p in plans]
+  per_device = ("concat",) if deterministic else ("concat", "last")
+  out_specs = [P(route.axes) if p.mode in per_device else P() for p in plans]
   if route.hows is not None:
     grad_positions = [i for i, g in enumerate(grads) if g]
     if len(grad_positions) != len(route.hows):
@@ -449,15 +454,18 @@ def _reduce_on_mesh(
   route: Route,
   layout: Layout,
   reduce_state: Any,
+  num_real: Any,
 ) -> tuple[Any, Any, Any, Any]:
   """The one reduction after the loop, under a second, small `shard_map`.
 
-  Returns `(result, state, stats, reduce_state)` as global arrays.
+  Returns `(result, state, stats, reduce_state)` as global arrays. `num_real`
+  (None: K) tells which devices ran a micro-batch, for `"last"` leaves.
   """
   hooked = config.reduce_fn is not None
   grads = jax.tree.leaves(local.grad_mask)
+  ran = True if num_real is None else jnp.asarray(num_real) > 0
 
-  def reduce_body(acc, total, state, stats, reduce_state):
+  def reduce_body(acc, total, state, stats, reduce_state, ran):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
     local_weights = first(total)
     acc, total, state, extras = all_reduce(
@@ -470,6 +478,7 @@ def _reduce_on_mesh(
       extras=list(first(stats) or ()),
       wire_dtype=config.reduce_dtype,
       skip=grads if hooked else None,
+      last_ran=ran[0] if config.deterministic else None,
     )
     final = None
     if hooked:
@@ -506,7 +515,7 @@ def _reduce_on_mesh(
   reduced = _jitted_shard_map(
     reduce_body,
     mesh=route.mesh,
-    in_specs=(axes, axes, axes, axes, axes),
+    in_specs=(axes, axes, axes, axes, axes, axes),
     out_specs=(result_specs, P(), P(), axes),
     axis_names=set(route.axes),
   )
@@ -516,7 +525,9 @@ def _reduce_on_mesh(
     lambda x: _placement.place(x, route.mesh, axes, route.explicit), reduce_state
   )
   acc, total, state, stats = stacked
-  return reduced(acc, total, state, stats, reduce_state)
+  ran = jnp.broadcast_to(ran, (route.num_devices,))
+  ran = _placement.place(ran, route.mesh, axes, route.explicit)
+  return reduced(acc, total, state, stats, reduce_state, ran)
 
 
 def _typed_as_params(result: Any, local: _loop.Local, route: Route) -> Any:
@@ -618,11 +629,12 @@ def run(
     axes,
     unsharded_meaning and config.split == "contiguous",
     lambda n: _loop.output_shapes_at(config, at, args, kwargs, n),
+    config.deterministic,
   )
-  layout = _layout(local, route)
+  layout = _layout(local, route, config.deterministic)
   _compose.reduce_fn_and_fsdp(config, layout.sharded)
   result, state, estimates, reduce_state = _reduce_on_mesh(
-    config, local, stacked, route, layout, reduce_state
+    config, local, stacked, route, layout, reduce_state, num_real
   )
   result = _typed_as_params(result, local, route)
   result = jax.tree.map(
@@ -734,9 +746,9 @@ def data_parallel(
     modes, whose collectives inside the loop need every device: there the
     devices run in step, as many micro-batches as the busiest, the others
     joining with a weight of 0). `"mean"`, `"sum"`, `"max"` and
-    `"min"` leaves come back replicated, gradients of FSDP-sharded params
-    sharded like them, `"concat"` and `"last"` leaves (one row per example)
-    sharded over `axis`, in the batch's row order.
+    `"min"` leaves come back replicated (`"last"` too with `deterministic`),
+    gradients of FSDP-sharded params sharded like them, `"concat"` and
+    `"last"` leaves (one row per example) sharded over `axis`, in row order.
 
   Raises:
     TypeError, ValueError: as `accumulate` does, and if `axis` is not a mesh

@@ -317,10 +317,13 @@ def exact_weights(dtype: Any, unit: int | None = None) -> Weights:
   return Weights(_exact.zeros((), dtype, _full_like(scalar)), norm)
 
 
-def exact_divisor(weights: Weights, total: jax.Array) -> jax.Array:
-  """What an exact mean divides by: `Σ w` (`total`), or with unit weights the
-  number of micro-batches, `Σ w / unit` (exact: integers), as without a count."""
-  return total if weights.norm is None else total / weights.norm.rows
+def exact_divisor(weights: Weights, total: Any) -> Any:
+  """What an exact mean divides by: `Σ w` (`total`, an exact sum), or with unit
+  weights the number of micro-batches, `Σ w / unit` (exact: integers), as
+  without a count."""
+  if weights.norm is None:
+    return total
+  return _exact.as_float(total) / weights.norm.rows
 
 
 def weight_sum(weights: Weights) -> jax.Array:
@@ -371,9 +374,10 @@ def update(
     if leaf.mode == "float0":
       return acc
     value = jnp.asarray(value)  # a Python scalar output comes back as a literal
-    if leaf.exact:  # unit weights (`norm`) leave the terms as they are
+    if leaf.exact:  # `w·out` for a weighted mean; unit weights (`norm`) add `out`
       unit = after is None or after.norm is not None
-      return _exact.add(acc, _weighted(leaf, value, None if unit else weight))
+      weighted = leaf.mode == "mean" and not unit and weight is not None
+      return _exact.add(acc, value, weight if weighted else None)
     if leaf.scattered is not None:  # summed over devices, weighted already
       return acc + value.astype(leaf.carry_dtype)
     if leaf.mode == "concat":
@@ -398,15 +402,6 @@ def update(
     return acc + value.astype(leaf.carry_dtype)
 
   return jax.tree.map(update_leaf, leaves, carry, out, is_leaf=is_plan)
-
-
-def _weighted(leaf: Leaf, value: jax.Array, weight: jax.Array | None) -> jax.Array:
-  """An exact leaf's term: `w·out` for a weighted mean (0 where w is 0), else `out`."""
-  value = value.astype(leaf.carry_dtype)
-  if leaf.mode != "mean" or weight is None:
-    return value
-  # `where`, not a product: an all-padding micro-batch may hold NaN (0/0).
-  return jnp.where(weight != 0, weight.astype(leaf.carry_dtype) * value, 0)
 
 
 def weighted_mean(
@@ -463,15 +458,14 @@ def finalize(
   done = [False] * len(plans) if final is None else list(final)
   divisor = num_terms
   if weights is not None and _exact.is_acc(weights.total):
-    divisor = exact_divisor(weights, weight_sum(weights))
+    divisor = exact_divisor(weights, weights.total)
 
   def finalize_leaf(leaf: Leaf, acc: Any, done: bool) -> Any:
     if leaf.mode == "float0":
       return np.zeros(leaf.shape, jax.dtypes.float0)
-    if _exact.is_acc(acc):  # one device's exact sum: read back once
-      acc = _exact.value(acc)
     if leaf.exact and leaf.mode == "mean" and divisor is not None and not done:
       return jnp.astype(_exact.divide(acc, divisor), leaf.dtype)
+    acc = _exact.as_float(acc)  # an exact sum, read back once
     if leaf.mode == "concat":
       return merge_microbatches(acc, split)
     if leaf.mode == "mean" and num_terms is not None and not done:

@@ -19,8 +19,8 @@ params with the float32 accumulator; bf16 params with `accum_dtype=None`),
 `jaccum.PowerSGD` with a `min_compression` too large to compress anything),
 `fsdp_mode` with `param_specs`, the mesh (one data axis, or HSDP's
 `("replica", "fsdp")` on 2 x 4), `jaccum.MultiSteps` over two calls,
-explicit `grad_leaves`, `unroll=2` and `conv_rewrite=False` (the model holds
-a 1-D convolution).
+explicit `grad_leaves`, `unroll=2`, `conv_rewrite=False` (the model holds
+a 1-D convolution) and `deterministic`.
 
 Routes (`ROUTES`): one device (`accumulate`), `data_parallel` on an auto and
 on an explicit mesh, and `accumulate(axis_name=...)` inside the user's own
@@ -42,6 +42,11 @@ d·N/D …; micro-batch k of them is rows k, k+K, … or the k-th block), with
 the key `fold_in(key_d, k)` (`key_d = fold_in(key, d)` for d > 0) and the
 state threaded through that device's micro-batches, and combines the
 results in NumPy as `accumulate`'s and `data_parallel`'s docstrings say.
+With `deterministic=True` the micro-batches are cut in its global order:
+micro-batch m is rows m·R .. (m+1)·R - 1, device d runs the global
+micro-batches from the number the devices before it run (d·K without a
+count), micro-batch m's key is `fold_in(key, m)`, and `"last"` is the last
+that ran of them all, the same on every device.
 jaccum runs in float64 too, so most comparisons are to 1e-12 of each leaf's
 largest magnitude; options that round by design are compared at their
 rounding (`Tolerance`).
@@ -243,6 +248,7 @@ OPTIONS = {
   "grad_leaves": (False, True),
   "unroll": (1, 2),
   "conv_rewrite": (True, False),
+  "deterministic": (False, True),
 }
 
 DEVICE_ONLY = ("reduce_dtype", "reduce_fn", "mesh")
@@ -272,11 +278,25 @@ ROUTES = {
 }
 
 
+# With `deterministic=True`, the options whose result depends on K and the
+# devices, at the levels that do (jaccum/_compose.py's table).
+DETERMINISTIC_REFUSES = {
+  "split": ("strided",),
+  "state": (True,),
+  "reduce_fn": ("psum", "powersgd"),
+  "reduce_dtype": ("bfloat16",),
+  "fsdp": ("shard_grads", "shard_all"),
+}
+
+
 def refused(a, b):
   """Whether two (option, level) pairs are refused (jaccum/_compose.py's table)."""
   levels = dict((a, b))
   if len(levels) < 2:
     return False
+  if levels.get("deterministic"):
+    (name, level), *_ = [(n, v) for n, v in levels.items() if n != "deterministic"]
+    return level in DETERMINISTIC_REFUSES.get(name, ())
   non_default = {name for name, level in levels.items() if level not in (None, False)}
   return non_default in (
     {"reduce_fn", "reduce_dtype"},
@@ -411,6 +431,7 @@ def make_setup(route_name, case):
     "unroll": case["unroll"],
     "conv_rewrite": case["conv_rewrite"],
     "overlap_reduction": case["overlap"],
+    "deterministic": case["deterministic"],
   }
   if case["dtype"] == "bfloat16_accum_none":
     options["accum_dtype"] = None
@@ -450,7 +471,8 @@ def out_specs(setup):
   case, per_device = setup.case, P(setup.axes)
   aux = {name: P() for name in AUX_MODES}
   if case["reduce"] == "mixed":
-    aux.update(last=per_device, concat=per_device)
+    # deterministic=True: the global last micro-batch's, the same everywhere.
+    aux.update(last=P() if case["deterministic"] else per_device, concat=per_device)
   spec = ((P(), aux), P())
   if case["state"]:
     spec = (spec, P())
@@ -594,6 +616,8 @@ def reference(setup, params, batch, state, key):
   rows_per_micro = BATCH // devices // K
   weights, outs, micro_grads, lasts, finals = [], [], [], [], []
   concat = np.zeros(BATCH)
+  first = 0  # deterministic=True: the global index of device d's first micro-batch
+  global_last = np.zeros(rows_per_micro)
   for device in range(devices):
     device_key = None
     if case["rng"]:
@@ -604,17 +628,20 @@ def reference(setup, params, batch, state, key):
       rows = micro_rows(device, k, devices, case["split"])
       micro = jax.tree.map(lambda x, rows=rows: jnp.asarray(x[rows]), batch)
       micro_key = None if device_key is None else jax.random.fold_in(device_key, k)
+      if case["deterministic"] and case["rng"]:
+        micro_key = jax.random.fold_in(key, first + k)
       (value, (aux, new_state)), grads = REFERENCE_STEP(
         params64, micro, device_state, micro_key
       )
       weights.append(float(np.sum(batch[column][rows])) if column else float(len(rows)))
       outs.append((value, aux))
       micro_grads.append(grads)
-      last = np.asarray(aux["last"])
+      last = global_last = np.asarray(aux["last"])
       concat[rows] = np.asarray(aux["concat"])
       device_state = new_state
     lasts.append(last)
     finals.append(device_state)
+    first += counts[device]
   ran = [aux for _, aux in outs]
   if not outs:  # nothing ran: one term of weight 0, shaped like a micro-step's
     aux = {name: np.float64(0) for name in AUX_MODES}
@@ -632,8 +659,9 @@ def reference(setup, params, batch, state, key):
       # "n = 0 gives zeros" (accumulate's docstring): max and min of nothing too.
       "max": pick("max", max),
       "min": pick("min", min),
-      # Each device's own last micro-batch, devices in order (zeros if none ran).
-      "last": np.concatenate(lasts),
+      # Each device's own last micro-batch, devices in order (zeros if none
+      # ran); deterministic=True: the last of the global order that ran.
+      "last": global_last if case["deterministic"] else np.concatenate(lasts),
       "concat": concat,
     }
     aux_magnitude = {name: float(np.max(np.abs(x))) for name, x in aux.items()}
