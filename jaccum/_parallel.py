@@ -292,7 +292,7 @@ def _per_device(
   try:
     return run(_step.Lift(route.mesh, outside), consts)
   except Exception as error:
-    if _loop.is_user_error(error):
+    if _loop.is_user_error(error) and cause is not None:
       raise cause from error  # what the whole batch's route names
     raise
 

@@ -76,7 +76,7 @@ class Outside(NamedTuple):
       values[i] = value
 
     def run(*args: Any) -> Any:
-      flat = _Retyper().evaluate(self.closed.jaxpr, values, args)
+      flat = _Retyper().evaluate(self.closed.jaxpr, values, jax.tree.leaves(args))
       return jax.tree.unflatten(self.out_tree, flat)
 
     return run
@@ -91,7 +91,7 @@ class Retrace(Exception):
     cause: the error that tracing inside raised.
   """
 
-  def __init__(self, outside: list[Outside], cause: Exception):
+  def __init__(self, outside: list[Outside], cause: Exception | None):
     super().__init__(f"run again with the closed-over arrays as inputs ({cause})")
     self.outside = outside
     self.cause = cause
@@ -102,21 +102,21 @@ def lift(
 ) -> Outside:
   """`fn` traced in `mesh`'s context on the shapes of `examples`.
 
-  `examples` are values inside the `shard_map` (or their shapes): each is
-  typed on `mesh` with its own spec less the manual axes. Raises `cause`
-  if `fn` does not trace there either.
+  `examples` are values inside the `shard_map` (or their shapes), trees of
+  them as `fn` takes them: each is typed on `mesh` with its own spec less
+  the manual axes. Raises `cause` if `fn` does not trace there either.
   """
   abstract = mesh.abstract_mesh
   inside = jax.sharding.get_abstract_mesh()
   manual = tuple(getattr(inside, "manual_axes", ()))
-  shapes = [
-    jax.ShapeDtypeStruct(
+  shapes = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
       np.shape(x),
       x.dtype,
       sharding=NamedSharding(abstract, without_axes(_spec(x), manual)),
-    )
-    for x in examples
-  ]
+    ),
+    list(examples),
+  )
   try:
     with jax.sharding.use_abstract_mesh(abstract):
       closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
@@ -127,8 +127,8 @@ def lift(
 
 
 def _spec(x: Any) -> P:
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
+  typed = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  spec = getattr(getattr(typed, "sharding", None), "spec", None)
   return P(*spec) if spec is not None else P()
 
 
