@@ -53,9 +53,24 @@ _PER_DEVICE = {
 }
 
 
+def _first_line(error: BaseException) -> str:
+  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
+def failures(error: Exception) -> str:
+  """How `grad_fn` failed per device: inside the loop, then traced outside it.
+
+  `_retype.lift` raises the error inside the loop from the one outside it.
+  """
+  outside = error.__cause__
+  if isinstance(outside, Exception) and outside is not error:
+    return f"{_first_line(error)}; traced outside the loop: {_first_line(outside)}"
+  return _first_line(error)
+
+
 def cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
   """What usually makes `grad_fn` fail per device, and what to write instead."""
-  message = str(error)
+  message = f"{error} {error.__cause__ or ''}"
   if "with_sharding_constraint can only refer to Auto axes" in message:
     return (
       f"The cause is a with_sharding_constraint given a bare PartitionSpec "
@@ -65,7 +80,13 @@ def cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
       f"device holds its rows already), or leave {axes} out of the spec, and "
       f"the loop runs per device."
     )
-  if "cannot contain axis names that are of type Auto or Manual" in message:
+  if any(
+    words in message
+    for words in (
+      "cannot contain axis names that are of type Auto or Manual",
+      "does not evenly divide the dimension size",
+    )
+  ):
     return (
       f"The cause is an out_sharding= (or reshard) that names {axes}: inside "
       f"the per-device loop those axes are manual, and jaccum drops them only "
@@ -76,9 +97,8 @@ def cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
     )
   return (
     "The usual cause is an array that grad_fn closes over (on an explicit "
-    "mesh, any array placed on the mesh) that grad_fn cannot be traced with "
-    "outside the loop either: pass it as an argument or keyword instead, and "
-    "the loop runs per device."
+    "mesh, any array placed on the mesh): pass it as an argument or keyword "
+    "instead, and the loop runs per device."
   )
 
 
@@ -96,11 +116,9 @@ def _refuse_per_device_options(
   named = [name for name, on in given.items() if on]
   if not named:
     return
-  first_line = (str(error).strip().splitlines() or [""])[0]
   raise ValueError(
     f"{' and '.join(named)} need{'s' if len(named) == 1 else ''} the per-device "
-    f"loop, which cannot run grad_fn here ({type(error).__name__}: "
-    f"{first_line[:300]}): "
+    f"loop, which cannot run grad_fn here ({failures(error)}): "
     + "; ".join(f"{name}: {_PER_DEVICE[name]}" for name in named)
     + f". Without {'them' if len(named) > 1 else 'it'} the step would run as the "
     f"whole batch's does. {cause_and_fix(error, axes)}"
@@ -203,10 +221,9 @@ def _lay_out(
 
 
 def _warn(error: Exception, axes: tuple[str, ...]) -> None:
-  first_line = (str(error).strip().splitlines() or [""])[0]
   warnings.warn(
     f"jaccum could not run grad_fn on each device's rows under shard_map "
-    f"({type(error).__name__}: {first_line[:300]}), so it runs the loop as the "
+    f"({failures(error)}), so it runs the loop as the "
     f"whole batch's step runs, sharded over {axes}. Its micro-batch k is every "
     f"device's micro-batch k together, in the same order: sums, maxima, "
     f"concatenations, per-example means and weight_fn means whose weight adds "

@@ -158,7 +158,7 @@ class _Retyper:
       if retyped.consts:
         raise NotImplementedError("a nested program made constants when retyped")
       return retyped.jaxpr
-    if isinstance(value, tuple):
+    if type(value) is tuple:  # not a NamedTuple of numbers (gather's dimensions)
       return tuple(self.param(v) for v in value)
     return value
 

@@ -5,6 +5,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import assert_trees_close
 from jax.sharding import AxisType, NamedSharding
@@ -693,3 +694,86 @@ def test_the_whole_batch_route_says_what_differs_for_a_mean_over_tokens(problem)
   # The same token mean as one device gives, to float32 rounding.
   whole = token_loss(False)(params, x, y, jnp.asarray(mask, jnp.float32))
   assert_trees_close(weighted, whole, rtol=1e-5)
+
+
+@jax.custom_vjp
+def _clipped(x):
+  return x
+
+
+_clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+
+def _embedding(params, batch, scale):
+  hidden = (params["table"] * scale[0])[batch["ids"]] @ params["out"]
+  labels = batch["ids"][:, 0] % 3
+  return optax.softmax_cross_entropy_with_integer_labels(hidden[:, 0], labels).mean()
+
+
+def _convolution(params, batch, scale):
+  out = jax.lax.conv_general_dilated(
+    batch["images"] * scale[0],
+    params["kernel"],
+    (1, 1),
+    "SAME",
+    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  )
+  return jnp.mean(out**2)
+
+
+def _control_flow(params, batch, scale):
+  def layer(h, w):
+    return jnp.tanh(h @ w) * scale[0], None
+
+  h, _ = jax.lax.scan(jax.checkpoint(layer), batch["x"], params["layers"])
+  h = jax.lax.cond(jnp.sum(h) > 0, lambda h: h * scale[1], lambda h: h / scale[1], h)
+  h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.sin(h) + scale[i], h)
+  return jnp.mean(jnp.sort(_clipped(h), axis=-1) ** 2)
+
+
+MODELS = {
+  "embedding": (
+    _embedding,
+    lambda rng: {"table": rng.normal(size=(20, 8)), "out": rng.normal(size=(8, 3))},
+    lambda rng: {"ids": rng.integers(0, 20, (64, 5), dtype=np.int32)},
+  ),
+  "convolution": (
+    _convolution,
+    lambda rng: {"kernel": rng.normal(size=(3, 3, 2, 4)) / 3},
+    lambda rng: {"images": rng.normal(size=(64, 6, 6, 2))},
+  ),
+  "scan_remat_cond_custom_vjp": (
+    _control_flow,
+    lambda rng: {"layers": rng.normal(size=(3, 8, 8)) / 3},
+    lambda rng: {"x": rng.normal(size=(64, 8))},
+  ),
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_closure_runs_per_device_whatever_the_model(model):
+  """The program traced outside the loop runs retyped inside it: gathers
+  (whose dimension numbers are a NamedTuple), convolutions, scans, remat,
+  cond, fori_loop and custom VJPs give the bits of the step that takes the
+  closed-over array as an argument, with no warning."""
+  loss_fn, make_params, make_batch = MODELS[model]
+  rng = np.random.default_rng(5)
+  as_f32 = lambda tree: jax.tree.map(
+    lambda a: a.astype(np.float32) if a.dtype == np.float64 else a, tree
+  )
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  params = jax.device_put(as_f32(make_params(rng)), NamedSharding(mesh, P()))
+  batch = jax.device_put(as_f32(make_batch(rng)), NamedSharding(mesh, P("data")))
+  scale = jax.device_put(
+    np.linspace(0.5, 1.5, 8, dtype=np.float32), NamedSharding(mesh, P())
+  )
+  closing = jax.jit(
+    jaccum.data_parallel(jax.grad(lambda p, b: loss_fn(p, b, scale)), 2, mesh=mesh)
+  )
+  taking = jax.jit(jaccum.data_parallel(jax.grad(loss_fn), 2, mesh=mesh))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = jax.device_get(closing(params, batch))
+  want = jax.device_get(taking(params, batch, scale))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
