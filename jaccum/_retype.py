@@ -39,12 +39,18 @@ NamedSharding = jax.sharding.NamedSharding
 
 
 def is_hoisted(const: Any) -> bool:
-  """Whether a constant of an outside program must cross into `shard_map`.
+  """Whether a constant of a traced function must cross into `shard_map`.
 
-  Arrays (placed on a mesh or not) and values traced outside; NumPy
-  constants are the same everywhere and stay in the program.
+  Values traced outside it, and arrays placed on a mesh (typed on it). Other
+  arrays (NumPy constants, arrays on one device) are the same everywhere and
+  stay in the program, as they can inside any `shard_map`.
   """
-  return isinstance(const, jax.Array | Tracer)
+  if isinstance(const, Tracer):
+    return True
+  if not isinstance(const, jax.Array):
+    return False
+  mesh = getattr(getattr(jax.typeof(const), "sharding", None), "mesh", None)
+  return mesh is not None and not mesh.empty
 
 
 class Outside(NamedTuple):
