@@ -312,25 +312,7 @@ def pipeline(
     # and XLA could not fold away a multiplication by 1.
     out_spec = _batch_spec(layout) if loss_fn is None else P(layout.all_axes)
 
-    def run(lifted, consts=()):
-      # jit: JAX's eager shard_map cannot differentiate a custom VJP inside it.
-      sharded = jax.jit(
-        jax.shard_map(
-          functools.partial(local, lifted),
-          mesh=mesh,
-          in_specs=(*specs, *[P()] * len(consts)),
-          out_specs=(out_spec, specs[-1]),
-          check_vma=False,
-        )
-      )
-      return sharded(*_placed(mesh, (*specs, *[P()] * len(consts)), (*inputs, *consts)))
-
-    try:
-      out, new_state = run(None)
-    except _retype.Retrace as retrace:
-      # What the functions close over crosses into shard_map as inputs.
-      lifted = retrace.outside
-      out, new_state = run(lifted, [c for o in lifted for c in o.consts])
+    out, new_state = _sharded(local, mesh, specs, (out_spec, specs[-1]), inputs)
     if loss_fn is not None:
       out = jnp.sum(out)
     if state is None:
@@ -338,6 +320,39 @@ def pipeline(
     return out, _unstack_chunks(new_state, ticks)
 
   return apply
+
+
+def _sharded(
+  local: Callable[..., Any],
+  mesh: Any,
+  specs: tuple[P, ...],
+  out_specs: Any,
+  inputs: tuple[Any, ...],
+) -> Any:
+  """`local(lifted, *inputs)` on every device, under a jitted `shard_map`.
+
+  Run again where the first run asks (`_retype.Retrace`), with what the
+  user's functions close over as more inputs, whole on every device.
+  """
+
+  def run(lifted, consts=()):
+    in_specs = (*specs, *[P()] * len(consts))
+    # jit: JAX's eager shard_map cannot differentiate a custom VJP inside it.
+    sharded = jax.jit(
+      jax.shard_map(
+        functools.partial(local, lifted),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+      )
+    )
+    return sharded(*_placed(mesh, in_specs, (*inputs, *consts)))
+
+  try:
+    return run(None)
+  except _retype.Retrace as retrace:
+    return run(retrace.outside, [c for o in retrace.outside for c in o.consts])
 
 
 class _Layout(NamedTuple):

@@ -7,9 +7,12 @@ user's function once, by `jax.make_jaxpr`, on micro-batch 0's shapes: that
 gives the output structure the carry needs, the closed-over arrays (the
 jaxpr's constants), and the program the loop evaluates, rewritten where the
 loop needs it (the data axes out of sharding constraints; on CPU,
-convolutions into XLA's fast layout). `MicroStep` evaluates that program on
-micro-batch k, whole or, for FSDP's sharded modes, with params gathered where
-used and gradients scattered where made.
+convolutions into XLA's fast layout). Inside `data_parallel`'s `shard_map`,
+a function JAX will not trace there (it closes over arrays on an explicit
+mesh) is traced outside it instead and run retyped (`Lift`, `_retype`).
+`MicroStep` evaluates that program on micro-batch k, whole or, for FSDP's
+sharded modes, with params gathered where used and gradients scattered where
+made.
 """
 
 from __future__ import annotations
