@@ -320,6 +320,7 @@ def scan(
   fsdp: _fsdp.Plan | None = None,
   num_real: Any = None,
   count_varies: bool = False,
+  lift: _step.Lift | None = None,
 ) -> Local:
   """Runs `grad_fn` over K micro-batches of the batch arguments, on this device.
 
@@ -339,6 +340,8 @@ def scan(
       traced or not, checked by `check_num_real`); None runs all K.
     count_varies: whether `num_real` may differ between the devices of
       `axes` (one count per device).
+    lift: inside `data_parallel`'s `shard_map`, how to run a `grad_fn` that
+      closes over arrays on the mesh (`_step.Lift`).
   """
   _compose.count_and_overlap(config, num_real)
   batch_size = check_batch(
@@ -352,7 +355,7 @@ def scan(
   first = _deterministic_start(config, axes, num_real, count_varies, fsdp, state)
   inputs = _step.prepare(config, at, args, kwargs, axes, first)
   state0 = None if at.state is None else inputs.args[at.state]
-  step = _step.trace(config, inputs, state0, axes, fsdp.params if fsdp else ())
+  step = _step.trace(config, inputs, state0, axes, fsdp.params if fsdp else (), lift)
   leaves = _reduce.plan(
     config.reduce,
     step.out_shape,

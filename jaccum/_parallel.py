@@ -31,14 +31,15 @@ is what it may do inside any `shard_map`.
 
 One case `shard_map` refuses: on an explicit mesh, a function that closes
 over arrays placed on the mesh ("Closing over inputs to shard_map where the
-input is sharded on Explicit axes is not implemented"). Lifting the closure
-out by tracing the function outside `shard_map` and evaluating its jaxpr
-inside would need every mesh recorded in the jaxpr (in parameters, types
-and each equation's context) rewritten, which JAX offers no way to do.
-There, and whenever the function cannot run per device, the loop runs as
-the whole batch's step runs, on the sharded batch (`_as_the_whole_batch`):
-the same result, with the whole batch's communication inside the loop, and
-a warning that names the cause and the fix (pass the array as an argument).
+input is sharded on Explicit axes is not implemented"), or names the data
+axes in an `out_sharding` or a bare-`PartitionSpec` constraint, which
+inside the loop name manual axes. There the function is traced outside
+the `shard_map`, on one device's shapes, and its program runs per device
+with the closed-over arrays as inputs and its shardings retyped
+(`_retype`). What fails that way too runs as the whole batch's step runs,
+on the sharded batch, with the same micro-batches in the same order and a
+warning; options whose result only the per-device loop gives are refused
+there by name (`_fallback`).
 """
 
 from __future__ import annotations
@@ -56,16 +57,22 @@ from jaccum import (
   _collective,
   _compose,
   _config,
+  _fallback,
   _fsdp,
   _loop,
   _placement,
   _reduce,
+  _retype,
   _stats,
   _step,
 )
 from jaccum._collective import all_reduce, apply_reduce_fn
 from jaccum._config import Config, Positions
-from jaccum._jaxpr import spec_axes  # noqa: F401  (re-exported for _fit)
+from jaccum._fallback import cause_and_fix as _cause_and_fix  # noqa: F401  (_coupled)
+from jaccum._jaxpr import (
+  spec_axes,  # noqa: F401  (re-exported for _fit)
+  without_axes,
+)
 from jaccum._placement import explicit_batch_axes  # noqa: F401  (for _accumulate)
 
 P = jax.sharding.PartitionSpec
@@ -124,89 +131,6 @@ def _check_per_device_leaves(
         f"returned together. A value that is not per-example has no whole-batch "
         f'meaning here; reduce it with "mean", "max" or "min".'
       )
-
-
-def _cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
-  """What usually makes `grad_fn` fail per device, and what to write instead."""
-  message = str(error)
-  if "with_sharding_constraint can only refer to Auto axes" in message:
-    # A bare PartitionSpec is resolved against the mesh in context, whose data
-    # axes are manual inside the per-device loop; a NamedSharding names its
-    # own mesh, and jaccum takes the data axes out of it.
-    return (
-      f"The cause is a with_sharding_constraint given a bare PartitionSpec "
-      f"that names {axes}: inside the per-device loop JAX resolves it against "
-      f"the mesh in context, where those axes are manual. Write it as "
-      f"NamedSharding(mesh, P(...)) (jaccum drops the data axes from it: each "
-      f"device holds its rows already), or leave {axes} out of the spec, and "
-      f"the loop runs per device."
-    )
-  if "cannot contain axis names that are of type Auto or Manual" in message:
-    return (
-      f"The cause is an out_sharding= (or reshard) that names {axes}: inside "
-      f"the per-device loop those axes are manual, and JAX takes only explicit "
-      f"axes there. Models written for explicit sharding name the batch axis; "
-      f"on an auto mesh (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))) "
-      f"with sharding constraints instead, the loop runs per device."
-    )
-  return (
-    "The usual cause is an array that grad_fn closes over (on an explicit "
-    "mesh, any array placed on the mesh): pass it as an argument or keyword "
-    "instead, and the loop runs per device."
-  )
-
-
-def _as_the_whole_batch(
-  config: Config,
-  at: Positions,
-  args: Sequence[Any],
-  kwargs: dict[str, Any],
-  mesh: Any,
-  axes: tuple[str, ...],
-  explicit: bool,
-  error: Exception,
-) -> Any:
-  """The loop over the sharded batch, as the whole batch's step would run.
-
-  For what cannot run per device under `shard_map`: on an explicit mesh, JAX
-  does not let a `shard_map` close over arrays placed on the mesh, which a
-  `grad_fn` reaching params or constants by closure does. The micro-step is
-  then the whole-batch step on fewer rows, sharded by the batch's types:
-  whatever the whole batch runs, this runs, with the same result, but XLA
-  communicates inside the loop wherever the whole batch's step communicates.
-  If this fails too, the whole batch would fail the same way, and its error
-  is raised.
-  """
-  args = list(args)
-  for i in at.batch:
-    args[i] = jax.tree.map(
-      lambda x: (
-        _placement.place(
-          x,
-          mesh,
-          P(axes, *((_placement.spec_of(x) or P())[1:] if explicit else ())),
-          explicit,
-        )
-        if isinstance(x, _step.ARRAY_TYPES)
-        else x
-      ),
-      args[i],
-    )
-  try:
-    out = _loop.run(config, at, args, kwargs)
-  except Exception as whole_batch_error:
-    raise whole_batch_error from error
-  first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-  warnings.warn(
-    f"jaccum could not run grad_fn on each device's rows under shard_map "
-    f"({type(error).__name__}: {first_line[:300]}), so it runs the loop as the "
-    f"whole batch's step runs, sharded over {axes}: the result is the same, but "
-    f"XLA may communicate over {axes} inside the loop (count it with "
-    f"jaccum.inspect.collectives(step, *args).by_axis). "
-    f"{_cause_and_fix(error, axes)}",
-    stacklevel=4,
-  )
-  return out
 
 
 class Route(NamedTuple):
@@ -320,7 +244,10 @@ def _per_device(
   """Every device's loop over its own rows, under `shard_map`.
 
   Returns each device's carry stacked over the devices (nothing moves) and
-  one device's `Local` (the plan, the same on every device).
+  one device's `Local` (the plan, the same on every device). A `grad_fn`
+  that cannot be traced inside the `shard_map` (it closes over arrays on an
+  explicit mesh) is traced outside it, and the loop runs again with those
+  arrays as inputs (`_retype`); if that fails too, the first error is raised.
   """
   call, placed, in_specs = _placement.placed_call(
     config,
@@ -340,9 +267,59 @@ def _per_device(
     count_spec = P(route.axes) if count_varies else P()
     in_specs.append(count_spec)
     placed.append(_placement.place(num_real, route.mesh, count_spec, route.explicit))
+  run = lambda lift, consts=(): _loop_on_mesh(
+    config,
+    at,
+    call,
+    ([*placed, *consts], [*in_specs, *[P()] * len(consts)]),
+    route,
+    num_real,
+    count_varies,
+    lift,
+  )
+  try:
+    return run(_step.Lift(route.mesh))
+  except _retype.Retrace as retrace:
+    ((outside,), cause) = retrace.outside, retrace.cause
+  # The closed-over arrays cross as inputs, whole on every device of the
+  # data axes, as the params do (`placed_inputs`).
+  consts = [
+    _placement.place(
+      c,
+      route.mesh,
+      without_axes(_placement.spec_of(c) or P(), route.axes),
+      route.explicit,
+    )
+    for c in outside.consts
+  ]
+  try:
+    return run(_step.Lift(route.mesh, outside), consts)
+  except Exception as error:
+    if _loop.is_user_error(error) and cause is not None:
+      raise cause from error  # what the whole batch's route names
+    raise
+
+
+def _loop_on_mesh(
+  config: Config,
+  at: Positions,
+  call: Any,
+  inputs: tuple[list[Any], list[P]],
+  route: Route,
+  num_real: Any,
+  count_varies: bool,
+  lift: _step.Lift,
+) -> tuple[Any, _loop.Local]:
+  """The per-device loop on `inputs`, `(arrays, in_specs)`.
+
+  The arrays are the call's, the count's if any, then `lift`'s constants.
+  """
   found: list[_loop.Local] = []
+  num_consts = 0 if lift.outside is None else len(lift.outside.hoisted)
 
   def per_device(*arrays):
+    consts = arrays[len(arrays) - num_consts :]
+    arrays = arrays[: len(arrays) - num_consts]
     local_num_real = None
     if num_real is not None:
       *arrays, local_num_real = arrays
@@ -358,6 +335,7 @@ def _per_device(
       fsdp=route.fsdp,
       num_real=local_num_real,
       count_varies=count_varies,
+      lift=lift._replace(consts=consts),
     )
     found.append(local)
     # Each device's carry, stacked over the devices: nothing moves.
@@ -371,6 +349,7 @@ def _per_device(
   # gradient, with no psum inserted into the micro-step. Under jit even when
   # called eagerly: an eager shard_map refuses outputs sharded over an
   # explicit axis it does not run manually (a tensor-parallel "model").
+  placed, in_specs = inputs
   loop = _jitted_shard_map(
     per_device,
     mesh=route.mesh,
@@ -611,17 +590,16 @@ def run(
   except Exception as error:
     if not _loop.is_user_error(error):
       raise  # jaccum's own: the options or the output are wrong either way
-    if num_real is not None or config.reduce_fn is not None:
-      named = [("num_real_microbatches", num_real), ("reduce_fn", config.reduce_fn)]
-      given = [name for name, value in named if value is not None]
-      raise ValueError(
-        f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} the "
-        "per-device loop, which cannot run grad_fn here "
-        f"(without it the step would run as the whole batch does): "
-        f"{type(error).__name__}: {error}"
-      ) from error
-    return _as_the_whole_batch(
-      config, at, args, kwargs, mesh, axes, route.explicit, error
+    return _fallback.run(
+      config,
+      at,
+      args,
+      kwargs,
+      mesh=mesh,
+      axes=axes,
+      explicit=route.explicit,
+      num_real=num_real,
+      error=error,
     )
   _check_per_device_leaves(
     local,
@@ -673,10 +651,15 @@ def data_parallel(
   `functools.partial`): it runs on each device's rows exactly as it would on
   one device (under `shard_map` without type checks, as under `pmap`), so
   any model that runs on one device runs here, and a closed-over array gets
-  its gradient, not the gradient summed over devices. On an explicit mesh
-  JAX cannot pass arrays placed on the mesh into `shard_map` by closure;
-  such a `grad_fn` runs as the whole-batch step would, on the sharded batch,
-  with a warning (exact, but XLA may communicate inside the loop). Code that
+  its gradient, not the gradient summed over devices. On an explicit mesh,
+  where JAX cannot pass arrays placed on the mesh into `shard_map` by
+  closure, `grad_fn` is traced outside it and its program runs per device
+  with those arrays as inputs (so too where it names `axis` in an
+  `out_sharding`: each device holds its rows). What cannot run per device
+  either runs as the whole-batch step would, on the sharded batch, with the
+  same micro-batches and a warning that says what differs (XLA may
+  communicate inside the loop; `deterministic`, `return_stats`,
+  `state_argnum`, `reduce_fn` and a count are refused there). Code that
   names `axis` runs per micro-batch across devices: `lax.pmean(x, axis)`
   gives synchronised BatchNorm statistics (one all-reduce per micro-batch).
 

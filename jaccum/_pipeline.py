@@ -14,7 +14,11 @@ Everything runs in one `shard_map` over the stage and data axes, under
 `jit`. `stage_fn` and `loss_fn` are traced once, inside it, into programs
 that the loops run; the traced values they close over (a scale shared by all
 stages, a tied table, the head's weights) are explicit inputs of those
-programs, so their gradients accumulate like the stage parameters'.
+programs, so their gradients accumulate like the stage parameters'. What
+they close over also crosses into the `shard_map` as its inputs (a second
+run of it, `_retype`): JAX does not let a `shard_map` body use an array
+typed on the mesh outside it, and where a function uses one (an explicit
+mesh) it is traced outside the `shard_map` and its program retyped.
 Gradients accumulate in `accum_dtype` (float32) whatever the parameters'
 dtype, and `shard_map`'s transpose sums each over the devices once.
 
@@ -32,6 +36,7 @@ dtype, and `shard_map`'s transpose sums each over the devices once.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -42,7 +47,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
-from jaccum import _pipeline_backward
+from jaccum import _pipeline_backward, _retype
 from jaccum._microbatch import check_num_microbatches
 from jaccum._pipeline_schedule import (
   KINDS,
@@ -273,10 +278,14 @@ def pipeline(
     layout = _Layout(plan, axis, data_axes, bool(remat), accum, key_impl)
     param_dtypes = jax.tree.map(_dtype, params)
 
-    def local(params, x, targets, key, state):
+    def local(lifted, params, x, targets, key, state, *consts):
       params, state = _local_chunks(params), _local_chunks(state)
       stage, head = _trace_user_functions(
-        stage_fn, loss_fn, (params, param_dtypes, x, targets, key, state), layout
+        stage_fn,
+        loss_fn,
+        (params, param_dtypes, x, targets, key, state),
+        layout,
+        _Lift(mesh, lifted, consts),
       )
       args = _Args(
         params=params,
@@ -305,17 +314,8 @@ def pipeline(
     # summed inside, its cotangent would reach the backward through a psum,
     # and XLA could not fold away a multiplication by 1.
     out_spec = _batch_spec(layout) if loss_fn is None else P(layout.all_axes)
-    # jit: JAX's eager shard_map cannot differentiate a custom VJP inside it.
-    sharded = jax.jit(
-      jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=specs,
-        out_specs=(out_spec, specs[-1]),
-        check_vma=False,
-      )
-    )
-    out, new_state = sharded(*_placed(mesh, specs, inputs))
+
+    out, new_state = _sharded(local, mesh, specs, (out_spec, specs[-1]), inputs)
     if loss_fn is not None:
       out = jnp.sum(out)
     if state is None:
@@ -323,6 +323,39 @@ def pipeline(
     return out, _unstack_chunks(new_state, ticks)
 
   return apply
+
+
+def _sharded(
+  local: Callable[..., Any],
+  mesh: Any,
+  specs: tuple[P, ...],
+  out_specs: Any,
+  inputs: tuple[Any, ...],
+) -> Any:
+  """`local(lifted, *inputs)` on every device, under a jitted `shard_map`.
+
+  Run again where the first run asks (`_retype.Retrace`), with what the
+  user's functions close over as more inputs, whole on every device.
+  """
+
+  def run(lifted, consts=()):
+    in_specs = (*specs, *[P()] * len(consts))
+    # jit: JAX's eager shard_map cannot differentiate a custom VJP inside it.
+    sharded = jax.jit(
+      jax.shard_map(
+        functools.partial(local, lifted),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+      )
+    )
+    return sharded(*_placed(mesh, in_specs, (*inputs, *consts)))
+
+  try:
+    return run(None)
+  except _retype.Retrace as retrace:
+    return run(retrace.outside, [c for o in retrace.outside for c in o.consts])
 
 
 class _Layout(NamedTuple):
@@ -423,10 +456,49 @@ class _Traced(NamedTuple):
     return jax.tree.unflatten(self.out_tree, program(*jax.tree.leaves(args)))
 
 
-def _trace(fn: Callable[..., Any], *example: Any) -> tuple[_Traced, Any]:
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+class _Lift(NamedTuple):
+  """How the user's functions are traced, on the first run of the `shard_map`
+  (`lifted` None) or on the second, with what they close over as inputs.
+
+  Attributes:
+    mesh: the pipeline's mesh, to trace a function in where it fails inside.
+    lifted: on the second run, the functions as the first traced them.
+    consts: their closed-over arrays, as `shard_map` hands them in.
+  """
+
+  mesh: Any
+  lifted: list[_retype.Outside] | None
+  consts: Sequence[Any]
+
+
+def _trace(
+  fn: Callable[..., Any], example: Sequence[Any], lift: _Lift, index: int
+) -> tuple[_Traced | None, Any, _retype.Outside]:
+  """`fn` (the `index`th of the user's functions) traced on `example`.
+
+  Returns `(traced, out_shape, outside)`. On the first run `fn` is traced
+  inside `shard_map`, or where that fails (it closes over arrays on an
+  explicit mesh), outside it (`_retype.lift`; `traced` is then None);
+  `outside` holds what it closes over. On the second, the first run's
+  program runs retyped with those as `lift.consts`, `fn` not traced again.
+  """
+  if lift.lifted is not None:
+    outside = lift.lifted[index]
+    before = sum(len(o.hoisted) for o in lift.lifted[:index])
+    fn = outside.program(lift.consts[before : before + len(outside.hoisted)])
+  try:
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+  except Exception as error:
+    if lift.lifted is not None:
+      raise
+    outside = _retype.lift(fn, example, lift.mesh, error)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outside.closed.out_avals]
+    return None, jax.tree.unflatten(outside.out_tree, shapes), outside
   hoisted = tuple(i for i, c in enumerate(closed.consts) if isinstance(c, Tracer))
-  return _Traced(closed, hoisted, jax.tree.structure(out_shape)), out_shape
+  out_tree = jax.tree.structure(out_shape)
+  lifted = tuple(i for i, c in enumerate(closed.consts) if _retype.is_hoisted(c))
+  traced = _Traced(closed, hoisted, out_tree)
+  return traced, out_shape, _retype.Outside(closed, lifted, out_tree)
 
 
 def _trace_user_functions(
@@ -434,13 +506,15 @@ def _trace_user_functions(
   loss_fn: Callable[..., Any] | None,
   inputs: tuple[Any, ...],
   layout: _Layout,
+  lift: _Lift,
 ) -> tuple[_Traced, _Traced | None]:
   """Traces `stage_fn` as `(params, x, key, state) -> (y, state)`, and `loss_fn`.
 
   Inside `shard_map`, on what one device holds (`inputs`: its chunks' params,
   their dtypes, its rows of x and targets, the key as data, its state): the
-  programs then have the device's types, and what the functions close over
-  is passed into `shard_map` replicated.
+  programs then have the device's types. What the functions close over
+  (arrays, values traced outside) crosses into `shard_map` as inputs: the
+  first run raises `_retype.Retrace` with it, the second gets it (`lift`).
   """
   params, param_dtypes, x, targets, key, state = inputs
 
@@ -469,13 +543,22 @@ def _trace_user_functions(
   key = layout.wrap_key(key)
   key = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
   example = (per_stage(params, param_dtypes), micro(x), key, per_stage(state))
-  stage, (y, new_state) = _trace(stage_call, *example)
+  stage, (y, new_state), stage_outside = _trace(stage_call, example, lift, 0)
   _check_stage_output(micro(x), y)
   if state is not None:
     _check_new_state(per_stage(state), new_state)
-  if loss_fn is None:
-    return stage, None
-  head, value = _trace(loss_fn, micro(x), micro(targets))
+  outsides, head = [stage_outside], None
+  if loss_fn is not None:
+    head, value, head_outside = _trace(loss_fn, (micro(x), micro(targets)), lift, 1)
+    outsides.append(head_outside)
+    _check_loss(value)
+  if lift.lifted is None and any(o.hoisted for o in outsides):
+    raise _retype.Retrace(outsides, None)
+  assert stage is not None and (head is not None or loss_fn is None)
+  return stage, head
+
+
+def _check_loss(value: Any) -> None:
   if not (
     isinstance(value, jax.ShapeDtypeStruct)
     and value.shape == ()
@@ -485,7 +568,6 @@ def _trace_user_functions(
       "loss_fn must return a floating scalar, the loss of one micro-batch; "
       f"got {value}."
     )
-  return stage, head
 
 
 # --- GPipe: the forward loop, differentiated by JAX ------------------------------

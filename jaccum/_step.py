@@ -7,9 +7,12 @@ user's function once, by `jax.make_jaxpr`, on micro-batch 0's shapes: that
 gives the output structure the carry needs, the closed-over arrays (the
 jaxpr's constants), and the program the loop evaluates, rewritten where the
 loop needs it (the data axes out of sharding constraints; on CPU,
-convolutions into XLA's fast layout). `MicroStep` evaluates that program on
-micro-batch k, whole or, for FSDP's sharded modes, with params gathered where
-used and gradients scattered where made.
+convolutions into XLA's fast layout). Inside `data_parallel`'s `shard_map`,
+a function JAX will not trace there (it closes over arrays on an explicit
+mesh) is traced outside it instead and run retyped (`Lift`, `_retype`).
+`MicroStep` evaluates that program on micro-batch k, whole or, for FSDP's
+sharded modes, with params gathered where used and gradients scattered where
+made.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum import _collective, _conv_layout, _fsdp, _jaxpr
+from jaccum import _collective, _conv_layout, _fsdp, _jaxpr, _retype
 from jaccum._config import Config, Positions, call_weight_fn
 from jaccum._microbatch import Split, take_microbatch
 
@@ -243,18 +246,66 @@ def _check_closures(closed: Any, batch: Any, axes: tuple[str, ...]) -> None:
     )
 
 
+class Lift(NamedTuple):
+  """How the per-device loop runs a `grad_fn` that cannot be traced inside it.
+
+  Attributes:
+    mesh: the mesh outside the loop's `shard_map`, to trace `grad_fn` in
+      where it fails inside (`_retype.lift`, which raises `_retype.Retrace`).
+    outside: on the second run, the micro-step traced outside.
+    consts: its closed-over arrays, as the `shard_map` hands them in.
+  """
+
+  mesh: Any
+  outside: _retype.Outside | None = None
+  consts: Sequence[Any] = ()
+
+
+def _traced(
+  micro_step: Callable[..., Any], examples: Sequence[Any], lift: Lift | None
+) -> tuple[Any, Any]:
+  """`(program, (out_shape, state_shape))` of the micro-step on `examples`.
+
+  With a `Lift`, a micro-step that fails inside is traced outside and the
+  `shard_map` asked to run again (`_retype.Retrace`); on that run, the
+  program traced outside is run retyped, `grad_fn` not traced again.
+  """
+  if lift is not None and lift.outside is not None:
+    program = lift.outside.program(lift.consts)
+
+    def retyped(*values):
+      try:
+        return program(*values)
+      except Exception as error:
+        mark_user_error(error)  # the user's program, retyped: fall back as for it
+        raise
+
+    return jax.make_jaxpr(retyped, return_shape=True)(*examples)
+  try:
+    return jax.make_jaxpr(micro_step, return_shape=True)(*examples)
+  except Exception as error:
+    if lift is None or not is_user_error(error):
+      raise
+    raise _retype.Retrace(
+      [_retype.lift(micro_step, examples, lift.mesh, error)], error
+    ) from error
+
+
 def trace(
   config: Config,
   inputs: MicroInputs,
   state0: Any,
   axes: tuple[str, ...] | None,
   sharded_params: Sequence[_fsdp.Sharded | None] = (),
+  lift: Lift | None = None,
 ) -> MicroStep:
   """Traces `grad_fn` (and `weight_fn`) once on micro-batch 0's shapes.
 
   `sharded_params`, for `"shard_all"`: how each leaf of the params (argument
   0, the call's first leaves) arrives split over devices; the micro-step is
-  traced on whole ones, as the user wrote it.
+  traced on whole ones, as the user wrote it. `lift`: inside the per-device
+  loop's `shard_map`, how to run a `grad_fn` that closes over arrays on the
+  mesh (`_retype`).
   """
   at = inputs.at
   flat, treedef = jax.tree.flatten((inputs.args_at(0, state0), inputs.extras))
@@ -284,9 +335,7 @@ def trace(
     return _check_state_output(out, step_args[at.state])
 
   dynamic_examples = [x for x, d in zip(examples, dynamic, strict=True) if d]
-  closed, (out_shape, _) = jax.make_jaxpr(micro_step, return_shape=True)(
-    *dynamic_examples
-  )
+  closed, (out_shape, _) = _traced(micro_step, dynamic_examples, lift)
   weight_shape = None
   if config.weight_fn is not None:
     weight_shape = jax.eval_shape(

@@ -239,6 +239,41 @@ def test_deterministic_bits_of_tensor_parallel_layouts():
       np.testing.assert_allclose(a, w, rtol=0, atol=1e-6 * np.max(np.abs(w)))
 
 
+def _megatron_loss(params, x):
+  """Column- then row-parallel: the hidden activation is split over "model"."""
+  hidden = jnp.tanh(x @ params["up"])
+  typed = jax.typeof(hidden).sharding
+  # Rows as the batch's (over "data" whole, on each device's rows per device).
+  rows = NamedSharding(typed.mesh, P(typed.spec[0], None))
+  return jnp.mean(jnp.matmul(hidden, params["down"], out_sharding=rows) ** 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp_with_tensor_parallel_activations_on_an_explicit_mesh(mode):
+  """Issue 36, item 13: "shard_all" tied each gathered shard to an element of
+  its use's other operand, here the hidden activation split over "model",
+  and JAX refused the slice ("slicing on sharded dims ... not divisible by
+  mesh axes"); the whole batch and the other modes ran."""
+  rng = np.random.default_rng(3)
+  host = {
+    "up": (rng.normal(size=(8, 16)) / 3).astype(np.float32),
+    "down": (rng.normal(size=(16, 8)) / 4).astype(np.float32),
+  }
+  x = rng.normal(size=(32, 8)).astype(np.float32)
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  specs = {"up": P("data", "model"), "down": P("model", "data")}
+  params = {
+    k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in host.items()
+  }
+  batch = jax.device_put(x, NamedSharding(mesh, P("data")))
+  whole = jax.device_get(jax.jit(jax.grad(_megatron_loss))(params, batch))
+  step = jax.jit(jaccum.data_parallel(jax.grad(_megatron_loss), 2, fsdp_mode=mode))
+  grads = step(params, batch)
+  assert_trees_close(jax.device_get(grads), whole, rtol=1e-5)
+  for name, grad in grads.items():
+    assert grad.sharding.spec == specs[name], (name, grad.sharding)
+
+
 @pytest.mark.parametrize("fsdp", [False, True], ids=["tensor_parallel", "fsdp_tp"])
 def test_deterministic_with_tensor_parallelism_on_an_explicit_mesh(fsdp):
   """The exact sums' maximum reshaped a "model"-sharded gradient, which an

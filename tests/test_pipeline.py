@@ -774,49 +774,71 @@ def test_closed_over_values_get_gradients(schedule):
   """A scale shared by all stages, a table the stages and the head both use,
   the head's weights: their gradients are summed over stages and micro-batches,
   as the sequential loop's are."""
-  options, inside, num_chunks = SCHEDULES[schedule]
-  mesh = make_mesh("data×stage")
   with jax.enable_x64(True):
-    params, x, t = make_problem(mesh, jnp.float64, num_chunks)
-    keys = jax.random.split(jax.random.key(4), 2)
-    shared = {
-      "scale": jnp.float64(0.7),
-      "table": jax.random.normal(keys[0], (WIDTH, WIDTH), jnp.float64) / 4,
-      "head": jax.random.normal(keys[1], (WIDTH, WIDTH), jnp.float64) / 3,
-    }
+    check_closed_over_values(schedule, make_mesh("data×stage"), jnp.float64)
 
-    def functions(shared):
-      stage = lambda p, h: (
-        stage_fn(p, h) * shared["scale"] + jnp.tanh(h @ shared["table"])
-      )
-      head = lambda y, t: loss_fn(y @ shared["head"] + y @ shared["table"], t)
-      return stage, head
 
-    def pipelined(shared, params, x, t):
-      stage, head = functions(shared)
-      pipe = jaccum.pipeline(
-        stage,
-        K2S,
-        mesh=mesh,
-        data_axes="data",
-        num_virtual_stages=num_chunks,
-        loss_fn=head if inside else None,
-        **options,
-      )
-      params = stacked(params, num_chunks)
-      return pipe(params, x, t) if inside else head(pipe(params, x), t)
+@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_closed_over_values_under_set_mesh(schedule, axis_type):
+  """Issue 36, items 3 and 12. Under `jax.set_mesh`, the values closed over
+  are typed on the mesh: on an explicit one JAX refused the shard_map
+  closing over them ("Closing over inputs to shard_map where the input is
+  sharded on `Explicit` axes is not implemented", every schedule), on an
+  auto one GPipe's backward made zeros of their type inside it ("Context
+  mesh ... should match the mesh of sharding", "1f1b" and "zb-h1" ran).
+  They now cross into shard_map as inputs."""
+  mesh = make_mesh("data×stage", axis_type)
+  with jax.set_mesh(mesh):
+    check_closed_over_values(schedule, mesh, jnp.float32)
 
-    def reference(shared, params, x, t):
-      stage, head = functions(shared)
-      run = functools.partial(
-        sequential, stage, params, x, shards=2, num_microbatches=K2S
-      )
-      return run(loss=head, targets=t)
 
-    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
-    actual = grad(pipelined)(shared, params, x, t)
-    expected = grad(reference)(shared, params, x, t)
-    assert_trees_close(actual, expected, 1e-12)
+def check_closed_over_values(schedule, mesh, dtype):
+  """The pipeline's value and gradients, closing over `shared` (traced and,
+  as `placed`, arrays placed on the mesh), against the sequential loop's."""
+  options, inside, num_chunks = SCHEDULES[schedule]
+  params, x, t = make_problem(mesh, dtype, num_chunks)
+  keys = jax.random.split(jax.random.key(4), 2)
+  shared = {
+    "scale": jnp.asarray(0.7, dtype),
+    "table": jax.random.normal(keys[0], (WIDTH, WIDTH), dtype) / 4,
+    "head": jax.random.normal(keys[1], (WIDTH, WIDTH), dtype) / 3,
+  }
+  bias = jnp.linspace(-1, 1, WIDTH, dtype=dtype)
+  placed = {"bias": jax.device_put(bias, NamedSharding(mesh, P()))}
+
+  def functions(shared):
+    stage = lambda p, h: (
+      stage_fn(p, h) * shared["scale"] + jnp.tanh(h @ shared["table"]) + placed["bias"]
+    )
+    head = lambda y, t: loss_fn(y @ shared["head"] + y @ shared["table"], t)
+    return stage, head
+
+  def pipelined(shared, params, x, t):
+    stage, head = functions(shared)
+    pipe = jaccum.pipeline(
+      stage,
+      K2S,
+      mesh=mesh,
+      data_axes="data",
+      num_virtual_stages=num_chunks,
+      loss_fn=head if inside else None,
+      **options,
+    )
+    params = stacked(params, num_chunks)
+    return pipe(params, x, t) if inside else head(pipe(params, x), t)
+
+  def reference(shared, params, x, t):
+    stage, head = functions(shared)
+    run = functools.partial(
+      sequential, stage, params, x, shards=2, num_microbatches=K2S
+    )
+    return run(loss=head, targets=t)
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+  actual = grad(pipelined)(shared, params, x, t)
+  expected = grad(reference)(shared, params, x, t)
+  assert_trees_close(jax.device_get(actual), jax.device_get(expected), RTOL[dtype])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
