@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
+from jaccum._core.rewrites import spec_axes
 from jaccum._core.step import Function
 from jaccum._routes import options as options_lib
-from jaccum._routes import plan, rules, wrappers
+from jaccum._routes import placement, plan, rules, wrappers
 from jaccum._routes.accumulate import FsdpMode
 
 __all__ = ["value_and_grad"]
@@ -87,6 +90,37 @@ def _warn_per_example_aux(rest: Any, reduce: Any, rows: int) -> None:
   )
 
 
+def _warn_unsplit_axes(params: Any) -> None:
+  """Warns when the params name mesh axes and `mesh=` is left out.
+
+  Under `jit` the names are those of `nn.with_partitioning`'s boxes (kept in
+  the params, as Flax's SPMD guide does); called eagerly, those of arrays
+  placed on a mesh too. The mesh is the boxes' or the arrays', else the one
+  `jax.set_mesh` set.
+  """
+  meta = sys.modules.get("flax.core.meta")  # boxes exist only if Flax is loaded
+  boxed = meta.Partitioned if meta is not None else ()
+  named, meshes = set(), []
+  for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, boxed)):
+    if isinstance(leaf, boxed):
+      spec = leaf.get_partition_spec()
+      if hasattr(leaf, "rules"):  # logical names: the mesh axes the rules map to
+        spmd = sys.modules["flax.linen.spmd"]
+        spec = spmd.logical_to_mesh_axes(leaf.names, leaf.rules)
+      meshes += [leaf.mesh] if leaf.mesh is not None else []
+    elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      sharding = leaf.sharding
+      if not isinstance(sharding, jax.sharding.NamedSharding):
+        continue
+      spec = sharding.spec
+      meshes.append(sharding.mesh)
+    else:
+      continue
+    named.update(a for entry in spec for a in spec_axes(entry))
+  mesh = meshes[0] if meshes else jax.sharding.get_abstract_mesh()
+  placement.warn_unsplit_axes("jaccum.linen", named, mesh)
+
+
 def value_and_grad(
   loss_fn: Callable[..., Any],
   num_microbatches: int,
@@ -151,8 +185,13 @@ def value_and_grad(
       them.
     mesh: run on this mesh as `jaccum.data_parallel` does (None: as
       `jaccum.accumulate` does, or on the mesh `jax.set_mesh` set if
-      `param_specs` or `fsdp_mode` is given).
-    axis: the mesh axis (or axes) the batch is split over.
+      `param_specs` or `fsdp_mode` is given). Left out while params boxed by
+      `nn.with_partitioning` name mesh axes and an auto axis of the mesh is
+      named by none (likely the batch's: XLA would all-reduce over it in
+      every micro-step), a warning names that axis.
+    axis: the mesh axis (or axes) the batch is split over; defaults to
+      `"data"`: pass it when your mesh names its batch axis otherwise (e.g.
+      `axis="batch"`).
     param_specs: a `PartitionSpec` per leaf of `params` (or a prefix);
       entries naming `axis` shard a leaf as FSDP, other axes (tensor
       parallel) are kept.
@@ -249,6 +288,8 @@ def value_and_grad(
         "call it as f(params, batch_stats, batch) or f(params, batch_stats, batch, "
         f"rng), the arguments of loss_fn; got {2 + len(args)} positional arguments."
       )
+    if on_mesh is None and base.axis_name is None:
+      _warn_unsplit_axes(params)
     threads = bool(jax.tree.leaves(batch_stats))
     if base.deterministic:
       rules.check("linen", threads)

@@ -15,9 +15,10 @@ except ModuleNotFoundError as e:  # Flax is an optional dependency of jaccum.
     raise
   raise ImportError('jaccum.nnx needs Flax: pip install "jaccum[flax]"') from e
 
+from jaccum._core.rewrites import spec_axes
 from jaccum._core.step import Function
 from jaccum._routes import options as options_lib
-from jaccum._routes import plan, rules, wrappers
+from jaccum._routes import placement, plan, rules, wrappers
 from jaccum._routes.accumulate import FsdpMode
 
 __all__ = ["grad", "value_and_grad"]
@@ -123,6 +124,30 @@ def _specs_of(params: Any) -> Any:
     return P()
 
   return jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _warn_unsplit_axes(params: Any) -> None:
+  """Warns when the variables name mesh axes and `mesh=` is left out.
+
+  The mesh is the one their sharding metadata holds, else the one
+  `jax.set_mesh` set (metadata that names axes only).
+  """
+  named, meshes = set(), []
+  for variable in jax.tree.leaves(
+    params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  ):
+    if not isinstance(variable, nnx.Variable):
+      continue
+    metadata = variable.get_metadata()
+    sharding = metadata.get("out_sharding", metadata.get("sharding"))
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      meshes.append(sharding.mesh)
+    elif metadata.get("mesh") is not None:
+      meshes.append(metadata["mesh"])
+  for spec in jax.tree.leaves(_specs_of(params), is_leaf=lambda x: isinstance(x, P)):
+    named.update(a for entry in spec for a in spec_axes(entry))
+  mesh = meshes[0] if meshes else jax.sharding.get_abstract_mesh()
+  placement.warn_unsplit_axes("jaccum.nnx", named, mesh)
 
 
 def _checked_options(accumulate_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -348,6 +373,8 @@ def _transform(
     if not jax.tree.leaves((params, other)):
       raise ValueError(f"the model holds no variables matching wrt={wrt!r}.")
     nodes_def, nodes_state = nnx.split(call.nodes)
+    if on_mesh is None and base.axis_name is None:
+      _warn_unsplit_axes(params)
     if base.deterministic:
       _refuse_threaded_for_deterministic([other, rest, nodes_state])
     step = _micro_step(
@@ -423,8 +450,13 @@ def value_and_grad(
       its own rows of the batch, nothing communicated over `axis` inside
       the loop, one reduction after it (None: as `jaccum.accumulate` does,
       or on the mesh `jax.set_mesh` set if `param_specs` or `fsdp_mode` is
-      given).
-    axis: the mesh axis (or axes) the batch is split over.
+      given). Left out while the variables' sharding metadata names mesh
+      axes and an auto axis of the mesh is named by none (likely the
+      batch's: XLA would all-reduce over it in every micro-step), a warning
+      names that axis.
+    axis: the mesh axis (or axes) the batch is split over; defaults to
+      `"data"`: pass it when your mesh names its batch axis otherwise (e.g.
+      `axis="batch"`).
     param_specs: a `PartitionSpec` per `wrt` variable (a prefix of the
       `nnx.State` of them); None reads each variable's sharding metadata
       (`nnx.with_partitioning`), `P()` where it has none. Entries naming

@@ -625,3 +625,269 @@ def test_a_data_axis_of_one_device_runs_as_one_device():
     whole_batch(encode_fn, loss_fn)(params, batch),
     rtol=1e-5,
   )
+
+
+# Collectives the user already wrote: jaccum gathers the reps and reduces the
+# gradients over the data axes itself.
+
+
+def lit_gathering_loss(params, reps):
+  """big_vision's LiT loss_fn as ported: its all_gather over the data axis kept."""
+  gathered = {k: jax.lax.all_gather(v, "data", tiled=True) for k, v in reps.items()}
+  return clip_loss(params, gathered)
+
+
+def psum_loss(params, reps):  # the loss averaged over devices, as under pmap
+  return jax.lax.pmean(clip_loss(params, reps), "data")
+
+
+def device_loss(params, reps):  # rows weighed by the device: differs per device
+  return clip_loss(params, reps) * (1 + jax.lax.axis_index("data"))
+
+
+def synced_towers(params, batch):  # reps centred on the mean over all devices
+  reps = tower(params["image"], batch["image"])
+  return {
+    "image": normalize(reps - jax.lax.pmean(jnp.mean(reps, 0), "data")),
+    "text": normalize(tower(params["text"], batch["text"])),
+  }
+
+
+@pytest.mark.parametrize(
+  ("route", "encode_fn", "loss_fn", "match"),
+  [
+    ("shard_map", two_towers, lit_gathering_loss, r"loss_fn runs all_gather over"),
+    ("mesh", two_towers, lit_gathering_loss, r"loss_fn runs all_gather over"),
+    ("explicit", two_towers, lit_gathering_loss, r"loss_fn runs all_gather over"),
+    ("shard_map", two_towers, psum_loss, r"loss_fn runs psum(_invariant)? over"),
+    ("mesh", two_towers, psum_loss, r"loss_fn runs psum(_invariant)? over"),
+    ("shard_map", synced_towers, clip_loss, r"encode_fn runs psum(_invariant)? over"),
+    ("mesh", two_towers, device_loss, r"loss_fn runs axis_index over"),
+  ],
+  ids=[
+    "gather-shard_map",
+    "gather-mesh",
+    "gather-explicit",
+    "psum-shard_map",
+    "psum-mesh",
+    "encode_psum-shard_map",
+    "device_index-mesh",
+  ],
+)
+def test_refuses_collectives_over_the_data_axes(route, encode_fn, loss_fn, match):
+  # Before: the gathered loss saw every row 8 times (9.22 for 7.14), silently.
+  _, _, params, batch = make_problem("clip")
+  step, args = ROUTES[route](encode_fn, loss_fn, 2, params, batch)
+  with pytest.raises(ValueError, match=match + r" the data axes \('data',\)") as info:
+    step(*args)
+  message = str(info.value)
+  assert "gives loss_fn the whole batch's reps" in message
+  assert "Remove" in message
+
+
+def test_a_collective_over_another_axis_is_the_users():
+  # Tensor parallel: a pmean over "model" (of a value alike over it) is kept.
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+  def model_synced(params, reps):
+    return jax.lax.pmean(clip_loss(params, reps), "model")
+
+  encode_fn, _, params, batch = make_problem("clip")
+  coupled = jaccum.accumulate_coupled(encode_fn, model_synced, 2, axis_name="data")
+  step = jax.shard_map(coupled, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  got = jax.jit(step)(params, shard_rows(mesh, batch))
+  assert_trees_close(jax.device_get(got), expected("clip"), rtol=1e-5)
+
+
+# Call-time keywords: accumulate's count and reduce_state are not for this front.
+
+
+@pytest.mark.parametrize(
+  ("keyword", "value", "match"),
+  [
+    (
+      "num_real_microbatches",
+      2,
+      r"does not take num_real_microbatches \(got ~?int32\[\]\).*mask",
+    ),
+    ("reduce_state", {"a": 1}, r"accumulate_coupled does not take reduce_state"),
+  ],
+)
+def test_refuses_accumulates_call_time_keywords_by_name(keyword, value, match):
+  # An encode_fn that takes **kwargs ignored them (the full batch's loss
+  # came back); one that does not raised an unclear TypeError.
+  def open_towers(params, batch, **kwargs):
+    return two_towers(params, batch)
+
+  _, _, params, batch = make_problem("clip")
+  for encode_fn in (open_towers, two_towers):
+    step = jax.jit(jaccum.accumulate_coupled(encode_fn, clip_loss, 4))
+    with pytest.raises(TypeError, match=match):
+      step(params, batch, **{keyword: value})
+  step = jax.jit(jaccum.accumulate_coupled(open_towers, clip_loss, 4))
+  assert_trees_close(
+    step(params, batch, **{keyword: None}), expected("clip"), rtol=1e-5
+  )
+
+
+def masked_clip_loss(params, reps):
+  """CLIP over the real rows only: padding is no negative and has no loss."""
+  real = reps["real"]
+  logits = jnp.exp(params["log_temp"]) * reps["image"] @ reps["text"].T
+  logits = jnp.where(real[:, None] & real[None, :], logits, -1e9)
+  labels = jnp.arange(logits.shape[0])
+  ce = optax.softmax_cross_entropy_with_integer_labels
+  both = (ce(logits, labels) + ce(logits.T, labels)) / 2
+  return jnp.sum(jnp.where(real, both, 0)) / jnp.sum(real)
+
+
+@pytest.mark.parametrize("route", ["one device", "explicit"])
+def test_a_mask_in_reps_is_the_way_to_pad_a_batch(route):
+  # What the refusal of num_real_microbatches advises: 40 real rows padded
+  # to 64, the mask a bool reps leaf; the loss of the 40 rows alone.
+  _, _, params, batch = make_problem("clip")
+  real = jnp.arange(BATCH) < 40
+  padded = {**batch, "real": real}
+
+  def masked_towers(params, batch):
+    return {**two_towers(params, batch), "real": batch["real"]}
+
+  if route == "explicit":  # the mask gathered with the reps
+    step, args = explicit_route(masked_towers, masked_clip_loss, 2, params, padded)
+  else:
+    step = jax.jit(jaccum.accumulate_coupled(masked_towers, masked_clip_loss, 4))
+    args = (params, padded)
+  got = jax.device_get(step(*args))
+  real_rows = jax.tree.map(lambda x: x[:40], batch)
+  want = whole_batch(two_towers, clip_loss)(params, real_rows)
+  assert_trees_close(got, want, rtol=1e-5)
+
+
+# has_aux: measurements of the whole batch from loss_fn, per-row ones from
+# encode_fn, as the whole batch's value_and_grad(has_aux=True) returns them.
+
+
+def towers_with_row_aux(params, batch, stats=None):
+  """`(reps, row_aux)` (and the read-only state, when given): per-row norms,
+  an integer and a bool per row beside the unit embeddings."""
+  shift = 0 if stats is None else stats["shift"]
+  image = tower(params["image"], batch["image"] - shift)
+  text = tower(params["text"], batch["text"])
+  reps = {"image": normalize(image), "text": normalize(text)}
+  norm = jnp.linalg.norm(image, axis=-1)
+  row_aux = {"norm": norm, "nearest": jnp.argmax(image, -1), "long": norm > 1}
+  return (reps, row_aux) if stats is None else ((reps, row_aux), stats)
+
+
+def lit_loss_with_aux(params, reps):
+  """big_vision's LiT loss_fn: the loss, and measurements from its logits."""
+  logits = jnp.exp(params["log_temp"]) * reps["image"] @ reps["text"].T
+  labels = jnp.arange(logits.shape[0])
+  ce = optax.softmax_cross_entropy_with_integer_labels
+  loss = (ce(logits, labels).mean() + ce(logits.T, labels).mean()) / 2
+  return loss, {
+    "t": jnp.exp(params["log_temp"]),
+    "ncorrect": jnp.sum(jnp.argmax(logits, 1) == labels),
+    "logits": logits,
+    "finite": jnp.all(jnp.isfinite(logits)),
+  }
+
+
+def whole_batch_with_aux(params, batch, *state):
+  """The reference: one function of the whole batch, both auxes returned."""
+  out = towers_with_row_aux(params, batch, *state)
+  reps, row_aux = out[0] if state else out
+  loss, aux = lit_loss_with_aux(params, reps)
+  return loss, (aux, row_aux)
+
+
+def aux_step(route, num_microbatches, stateful):
+  """The jitted accumulated step with has_aux on `route`, and how to place the batch."""
+  options = {"has_aux": True, "state_argnum": 2 if stateful else None}
+  if route == "mesh":
+    options["mesh"] = auto_mesh()
+  if route == "shard_map":
+    options["axis_name"] = "data"
+  coupled = jaccum.accumulate_coupled(
+    towers_with_row_aux, lit_loss_with_aux, num_microbatches, **options
+  )
+  if route in ("one", "mesh"):
+    return jax.jit(coupled), lambda batch: batch
+  mesh = explicit_mesh()
+  if route == "explicit":
+    return jax.jit(coupled), functools.partial(shard_rows, mesh)
+  out = ((P(), (P(), P("data"))), P())  # row_aux: each device's rows
+  step = jax.shard_map(
+    coupled,
+    mesh=mesh,
+    in_specs=(P(), P("data")) + ((P(),) if stateful else ()),
+    out_specs=(out, P()) if stateful else out,
+  )
+  return jax.jit(step), functools.partial(shard_rows, mesh)
+
+
+@pytest.mark.parametrize(
+  ("route", "num_microbatches", "stateful"),
+  [
+    ("one", 8, False),
+    ("one", 1, True),
+    ("shard_map", 2, False),
+    ("shard_map", 4, True),
+    ("mesh", 2, True),
+    ("explicit", 8, False),
+  ],
+)
+def test_has_aux_matches_the_whole_batch(route, num_microbatches, stateful):
+  with jax.enable_x64(True):
+    _, _, params, batch = make_problem("clip", jnp.float64)
+    state = ({"shift": jnp.linspace(-0.5, 0.5, WIDTH)},) if stateful else ()
+    want = jax.jit(jax.value_and_grad(whole_batch_with_aux, has_aux=True))(
+      params, batch, *state
+    )
+    step, place = aux_step(route, num_microbatches, stateful)
+    got = jax.device_get(step(params, place(batch), *state))
+    if route != "one":  # row_aux stays on its device: only the reps are gathered
+      counts = jaccum.inspect.collectives(step, params, place(batch), *state)
+      reps = jax.eval_shape(towers_with_row_aux, params, batch)[0]
+      assert counts.inside_loops == 0, counts
+      assert counts.all_gather.bytes_outside_loops == nbytes(reps), counts
+  if stateful:
+    got, new_state = got
+    assert_trees_close(new_state, state[0], rtol=0)
+  assert_trees_close(got, jax.device_get(want), rtol=1e-12)
+
+
+def test_has_aux_traces_each_function_once_plus_one_shape_check():
+  traces = []
+
+  def counted_encode(params, batch):
+    traces.append(("encode_fn", batch["image"].shape[0]))
+    return towers_with_row_aux(params, batch)
+
+  def counted_loss(params, reps):
+    traces.append(("loss_fn", reps["image"].shape[0]))
+    return lit_loss_with_aux(params, reps)
+
+  _, _, params, batch = make_problem("clip")
+  step = jaccum.accumulate_coupled(counted_encode, counted_loss, 8, has_aux=True)
+  jax.jit(step).lower(params, batch)
+  rows = BATCH // 8
+  assert traces == [("encode_fn", rows), ("encode_fn", 2 * rows), ("loss_fn", BATCH)]
+
+
+def test_has_aux_refuses_outputs_that_are_not_pairs():
+  _, _, params, batch = make_problem("clip")
+
+  def run(encode_fn, loss_fn):
+    step = jaccum.accumulate_coupled(encode_fn, loss_fn, 4, has_aux=True)
+    return jax.jit(step)(params, batch)
+
+  with pytest.raises(TypeError, match=r"has_aux=True, encode_fn must return \(reps, "):
+    run(two_towers, lit_loss_with_aux)
+  with pytest.raises(TypeError, match=r"has_aux=True, loss_fn must return \(loss, aux"):
+    run(towers_with_row_aux, clip_loss)
+  scalar_aux = lambda p, b: (two_towers(p, b), {"mean": jnp.mean(b["image"])})
+  with pytest.raises(ValueError, match=r"row_aux\['mean'\] \(encode_fn's output\)"):
+    run(scalar_aux, lit_loss_with_aux)
+  with pytest.raises(TypeError, match="has_aux must be True or False"):
+    jaccum.accumulate_coupled(two_towers, clip_loss, 4, has_aux="yes")

@@ -71,7 +71,8 @@ def fsdp_step(mode, specs, **options):
 def test_a_count_with_every_fsdp_mode_is_the_gradient_of_the_rows_that_ran(mode, count):
   """Item 1: the sharded modes returned 1/ROWS of it (0.25x here), for any n."""
   params, x, specs = problem()
-  grads = fsdp_step(mode, specs)(params, x, num_real_microbatches=jnp.int32(count))
+  step = fsdp_step(mode, specs, split="strided")
+  grads = step(params, x, num_real_microbatches=jnp.int32(count))
   expected = jax.grad(loss)(params, rows_that_ran(x, [count] * DEVICES))
   assert_trees_close(grads, expected, rtol=2e-6)
 
@@ -83,7 +84,7 @@ def test_devices_with_different_counts_join_the_scatters_and_are_exact(mode):
   no) micro-batches now join every collective with zeros."""
   params, x, specs = problem(1)
   counts = [3, 1, 4, 0, 2, 4, 4, 1]
-  grads = fsdp_step(mode, specs, return_stats=True)(
+  grads = fsdp_step(mode, specs, return_stats=True, split="strided")(
     params, x, num_real_microbatches=jnp.asarray(counts, jnp.int32)
   )
   grads, stats = grads
@@ -99,7 +100,7 @@ def test_a_nan_in_a_padding_micro_batch_of_an_idle_device_stays_out():
   params, x, specs = problem(2)
   counts = [4, 4, 4, 4, 4, 4, 4, 0]
   x = x.at[-K * ROWS :].set(jnp.nan)  # the last device's rows: all padding
-  grads = fsdp_step("shard_all", specs)(
+  grads = fsdp_step("shard_all", specs, split="strided")(
     params, x, num_real_microbatches=jnp.asarray(counts, jnp.int32)
   )
   expected = jax.grad(loss)(params, rows_that_ran(x, counts))
@@ -114,7 +115,9 @@ def test_per_device_counts_and_grad_fns_own_collectives_are_refused():
     return loss(params, x - centre)
 
   params, x, _ = problem()
-  step = jax.jit(jaccum.data_parallel(jax.grad(synced), K, mesh=auto_mesh()))
+  step = jax.jit(
+    jaccum.data_parallel(jax.grad(synced), K, mesh=auto_mesh(), split="strided")
+  )
   with pytest.raises(ValueError, match=r"num_real_microbatches.*communicates.*data"):
     step(params, x, num_real_microbatches=jnp.arange(DEVICES) % (K + 1))
   # One count for every device keeps them in step: exact as a static K.
@@ -210,7 +213,7 @@ def test_a_traced_int64_count_above_int32_is_clamped_to_k():
   x = jnp.asarray(np.random.default_rng(5).normal(size=(16, 2)))
   vector_loss = lambda w, x: jnp.mean((x @ w) ** 2)
   with jax.enable_x64(True):
-    step = jax.jit(jaccum.accumulate(jax.grad(vector_loss), 4))
+    step = jax.jit(jaccum.accumulate(jax.grad(vector_loss), 4, split="strided"))
     w64, x64 = w.astype(jnp.float64), x.astype(jnp.float64)
     for count, ran in [(2**32 + 1, 4), (2**31, 4), (-(2**32) + 1, 0), (3, 3)]:
       got = step(w64, x64, num_real_microbatches=jnp.int64(count))
@@ -228,7 +231,7 @@ def test_an_eager_count_outside_zero_to_k_is_an_error_and_a_jitted_one_is_clampe
   w = jnp.asarray([0.3, -0.7])
   x = jnp.asarray(np.random.default_rng(6).normal(size=(16, 2)), jnp.float32)
   vector_loss = lambda w, x: jnp.mean((x @ w) ** 2)
-  grad_fn = jaccum.accumulate(jax.grad(vector_loss), 4)
+  grad_fn = jaccum.accumulate(jax.grad(vector_loss), 4, split="strided")
   with pytest.raises(ValueError, match=r"must be in \[0, num_microbatches=4\]"):
     grad_fn(w, x, num_real_microbatches=-1)
   zeros = jax.jit(grad_fn)(w, x, num_real_microbatches=-1)
@@ -257,13 +260,14 @@ def test_nnx_warns_about_averaged_per_example_outputs_at_the_users_line():
   assert [w.filename for w in record] == [__file__]
 
 
-def test_a_bare_spec_constraint_is_exact_and_its_warning_says_what_runs_per_device():
-  """Item 9. JAX resolves a bare P against the mesh in context, whose data axes
-  are manual inside the per-device loop, and refuses it there: no public JAX
-  API lets jaccum rewrite it before JAX checks it (the traced program's
-  meshes are in its types and contexts). So the step runs as the whole batch
-  does, exact, and the warning names the constraint and the form that runs
-  per device, which the second half checks."""
+def test_a_bare_spec_constraint_runs_per_device():
+  """Item 9, then issue 36 item 3. JAX resolves a bare P against the mesh in
+  context, whose data axes are manual inside the per-device loop, and
+  refuses it there. jaccum traces grad_fn outside the loop, where the spec
+  resolves against the mesh, and runs its program per device with the data
+  axes taken out of the constraint, as for a NamedSharding: no warning, no
+  collective inside the loop, exact. Before, the step ran as the whole
+  batch does, with a warning."""
   mesh = auto_mesh()
   params, x, _ = problem(7)
 
@@ -277,13 +281,10 @@ def test_a_bare_spec_constraint_is_exact_and_its_warning_says_what_runs_per_devi
 
   expected = jax.grad(loss)(params, x)
   with jax.set_mesh(mesh):
-    bare = jax.jit(jaccum.data_parallel(jax.grad(constrained(P("data", None))), K))
-    with pytest.warns(UserWarning, match=r"bare PartitionSpec.*NamedSharding\(mesh"):
-      assert_trees_close(bare(params, x), expected, rtol=2e-6)
-    named = NamedSharding(mesh, P("data", None))
-    step = jax.jit(jaccum.data_parallel(jax.grad(constrained(named)), K))
-    with warnings.catch_warnings():
-      warnings.simplefilter("error")
-      grads = step(params, x)
-    assert jaccum.inspect.collectives(step, params, x).inside_loops == 0
-  assert_trees_close(grads, expected, rtol=2e-6)
+    for sharding in (P("data", None), NamedSharding(mesh, P("data", None))):
+      step = jax.jit(jaccum.data_parallel(jax.grad(constrained(sharding)), K))
+      with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = step(params, x)
+      assert jaccum.inspect.collectives(step, params, x).inside_loops == 0
+      assert_trees_close(grads, expected, rtol=2e-6)

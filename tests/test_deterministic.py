@@ -578,3 +578,314 @@ def test_jax_ai_stack_digits_tutorial_trains_to_the_same_bits_on_any_split():
   assert_same_bits(train(*accumulated(4, 2)), one_device)
   assert_same_bits(train(*accumulated(1, 8)), one_device)
   assert_trees_close(one_device, train(nnx.grad), rtol=2e-5)
+
+
+# --- The exact sums' corners: zero terms, the ends of float32's range, the
+# derivative of a sum, the last micro-batch, and windows past the bins.
+
+
+def _row_sums(terms, **options):
+  """`accumulate` whose micro-batch m's term is row m of `terms`, summed exactly."""
+  summed = jaccum.accumulate(
+    lambda w, x: w * x[0], len(terms), reduce="sum", deterministic=True, **options
+  )
+  return np.asarray(jax.jit(summed)(jnp.float32(1), terms))
+
+
+def _assert_within_the_bound(got, terms):
+  """|value - Σx| <= n·2^-32·F + 1.5 ulp, Σx summed exactly (math.fsum)."""
+  exact = np.array([math.fsum(column) for column in terms.astype(np.float64).T])
+  assert np.all(np.abs(exact) >= np.finfo(np.float32).tiny)  # normal sums
+  largest = np.abs(terms).max()
+  ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+  bound = len(terms) * 2.0**-32 * largest + 1.5 * ulp
+  error = np.abs(got.astype(np.float64) - exact)
+  assert np.all(error <= bound), (error / bound).max()
+
+
+@pytest.mark.parametrize("scale", [1e-7, 1e-9])
+def test_an_all_zero_term_does_not_move_the_scale(scale):
+  """Micro-batches whose term is all zeros (padding, weight 0, an expert no
+  token reached), first and in the middle: the bound holds at the scale of
+  the terms, not at the 2^0 that frexp(0)'s exponent would set."""
+  rng = np.random.default_rng(0)
+  terms = (rng.uniform(0.5, 1, (8, 64)) * scale).astype(np.float32)
+  terms *= rng.choice(np.float32([-1, 1]), terms.shape)
+  terms[[0, 5]] = 0
+  _assert_within_the_bound(_row_sums(terms), terms)
+
+
+def test_a_padding_microbatch_changes_no_bit_of_a_weighted_mean():
+  """A token-weighted mean with one all-padding micro-batch (weight 0) is the
+  same bits as the batch without it, and within float32 of float64; a
+  MultiSteps window with a skipped and a weight-0 mini-step is accumulate's."""
+  params, batch, loss = mlp(MICROBATCHES * ROWS, keep=1)
+  batch = dict(batch, mask=batch["mask"].copy())
+  batch["mask"][3 * ROWS : 4 * ROWS] = 0  # micro-batch 3: all padding
+  kept = np.r_[0 : 3 * ROWS, 4 * ROWS : MICROBATCHES * ROWS]
+  without = jax.tree.map(lambda x: x[kept], batch)
+  key = jax.random.key(0)
+  options = dict(rng_argnum=2, weight_fn=real_count, deterministic=True)
+  padded = jax.jit(jaccum.accumulate(jax.grad(loss), 8, **options))
+  seven = jax.jit(jaccum.accumulate(jax.grad(loss), 7, **options))
+  got = padded(params, batch, key)
+  assert_same_bits(got, seven(params, without, key))
+  expected = reference(loss, params, batch, key, weighted=True)
+  assert_trees_close(
+    jax.tree.map(lambda x: np.asarray(x, np.float64), got), expected, rtol=2e-6
+  )
+
+  def plain_loss(params, batch, key):  # a plain mean: the same bits in both
+    del key
+    h = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(h @ params["v"], batch["y"])
+    return ce.mean()
+
+  grad = jax.jit(jax.grad(plain_loss))
+  micro = [
+    grad(params, jax.tree.map(lambda x, m=m: x[m * ROWS : (m + 1) * ROWS], batch), key)
+    for m in range(MICROBATCHES)
+  ]
+  expected = jax.jit(
+    jaccum.accumulate(jax.grad(plain_loss), 8, rng_argnum=2, deterministic=True)
+  )(params, batch, key)
+  window = jaccum.MultiSteps(
+    optax.identity(), 8, should_skip_update_fn=optax.skip_not_finite, deterministic=True
+  )
+  state = window.init(params)
+  nan = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), micro[0])
+  for m in range(7):
+    if m == 2:  # a skipped mini-step, then one of weight 0, mid-window
+      _, state = window.update(nan, state, params)
+      _, state = window.update(micro[7], state, params, weight=0.0)
+    mean, state = window.update(micro[m], state, params, weight=1.0)
+  # The weight-0 mini-step is one of the 8 the window holds (the skipped one
+  # is not): its mean is that of micro-batches 0..6.
+  assert bool(state.emitted) and int(state.num_skipped) == 1
+  expected = jax.jit(
+    jaccum.accumulate(jax.grad(plain_loss), 7, rng_argnum=2, deterministic=True)
+  )(params, jax.tree.map(lambda x: x[: 7 * ROWS], batch), key)
+  assert_same_bits(mean, expected)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-35, 1e-37, 1e30, 1e37])
+def test_the_bound_holds_over_float32s_normal_range(scale):
+  """Leaves of tiny terms (1e-35: two decades above the subnormals) and of
+  huge ones (1e37: eight make 8e37, near float32's largest) meet the bound."""
+  rng = np.random.default_rng(1)
+  terms = (rng.uniform(0.5, 1, (8, 64)) * scale).astype(np.float32)
+  if scale > 1e-35:  # signs that cancel; at 1e-37 a sum could fall subnormal
+    terms *= rng.choice(np.float32([-1, 1]), terms.shape)
+  _assert_within_the_bound(_row_sums(terms), terms)
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1e306])
+def test_the_bound_holds_over_float64s_normal_range(scale):
+  """Five bins: n·2^-64·F + 1.5 ulp, against the exact sum (fractions)."""
+  from fractions import Fraction
+
+  rng = np.random.default_rng(2)
+  terms = rng.uniform(0.5, 1, (8, 16)) * scale * rng.choice([-1.0, 1.0], (8, 16))
+  with jax.enable_x64(True):
+    got = _row_sums(terms)
+  assert got.dtype == np.float64
+  exact = [sum(map(Fraction, column)) for column in terms.T]
+  ulp = np.spacing(np.abs(np.array([float(e) for e in exact])))
+  bound = [Fraction(8 * 2.0**-64 * np.abs(terms).max() + 1.5 * u) for u in ulp]
+  errors = [abs(Fraction(g) - e) for g, e in zip(got, exact, strict=True)]
+  assert all(error <= b for error, b in zip(errors, bound, strict=True))
+
+
+@pytest.mark.parametrize("scale", [1e-35, 1e33])
+def test_weights_at_the_ends_of_float32s_range_give_the_weighted_mean(scale):
+  """`weight_fn` weights scaled by 1e-35 (w·g of a small gradient entry is
+  subnormal in float32) and by 1e33 (Σ w near 1e35): every split the same
+  bits, within float32 rounding of the float64 weighted mean."""
+  params, batch, loss = mlp(MICROBATCHES * ROWS)
+  key = jax.random.key(4)
+  scaled = lambda params, batch, key: scale * batch["mask"].sum()
+  results = []
+  for split in SPLITS:
+    grad_fn = accumulated(loss, split, False, weight_fn=scaled)
+    results.append(grad_fn(params, batch, key))
+  for result in results[1:]:
+    assert_same_bits(result, results[0])
+  expected = reference(loss, params, batch, key, weighted=True)
+  assert_trees_close(
+    jax.tree.map(lambda x: np.asarray(x, np.float64), results[0]), expected, rtol=2e-6
+  )
+
+
+def _penalty(grad_fn, batch, key):
+  """A gradient penalty: |accumulated gradient|², a function of the params."""
+  return lambda params: sum(
+    jnp.sum(g**2) for g in jax.tree.leaves(grad_fn(params, batch, key))
+  )
+
+
+def test_the_exact_sums_differentiate_as_sums():
+  """grad of a gradient penalty, and a jvp, through deterministic=True equal
+  those through the plain step and the whole batch: the exact sum has the
+  derivative of a sum, on one device, over devices and through FSDP."""
+  params, batch, loss = mlp(MICROBATCHES * ROWS, keep=1)
+  key = jax.random.key(2)
+  whole = _penalty(jax.grad(loss), batch, key)
+  plain = jaccum.accumulate(
+    jax.grad(loss), 8, rng_argnum=2, weight_fn=real_count, split="contiguous"
+  )
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  fsdp = jaccum.data_parallel(
+    jax.grad(loss),
+    2,
+    mesh=mesh,
+    param_specs={"w": jax.P(), "b": jax.P("data"), "v": jax.P("data")},
+    rng_argnum=2,
+    weight_fn=real_count,
+    deterministic=True,
+  )
+  # Differentiating through a shard_map (data_parallel's, or the user's) needs
+  # its mesh in context, with or without deterministic=True.
+  routes = [(accumulated(loss, s, True), _devices(s[1])) for s in SPLITS[:4]]
+  routes.append((jax.jit(fsdp), _devices(4)))
+  tangent = jax.tree.map(lambda p: _normal(9, p.shape), params)
+  expected = jax.grad(_penalty(plain, batch, key))(params)
+  assert_trees_close(expected, jax.grad(whole)(params), rtol=1e-4)
+  expected_jvp = jax.jvp(_penalty(plain, batch, key), (params,), (tangent,))[1]
+  for route, mesh in routes:
+    penalty = _penalty(route, batch, key)
+    with jax.set_mesh(mesh):
+      assert_trees_close(jax.grad(penalty)(params), expected, rtol=1e-4)
+      jvp = jax.jvp(penalty, (params,), (tangent,))[1]
+    np.testing.assert_allclose(jvp, expected_jvp, rtol=1e-4)
+  # A count (a while loop: forward mode only) on 3 devices, 3, 3 and 2 each.
+  elastic = _penalty(accumulated(loss, SPLITS[4], True), batch, key)
+  with jax.set_mesh(_devices(3)):
+    jvp = jax.jvp(elastic, (params,), (tangent,))[1]
+  np.testing.assert_allclose(jvp, expected_jvp, rtol=1e-4)
+  # Inside the user's shard_map (axis_name): the psum over devices too.
+  mesh = _devices(4)
+  inner = jaccum.accumulate(
+    jax.grad(loss), 2, axis_name="data", rng_argnum=2, weight_fn=real_count,
+    deterministic=True,
+  )  # fmt: skip
+  mapped = jax.jit(
+    jax.shard_map(
+      inner, mesh=mesh, in_specs=(jax.P(), jax.P("data"), jax.P()), out_specs=jax.P()
+    )
+  )
+  sharded = jax.device_put(batch, jax.NamedSharding(mesh, jax.P("data")))
+  penalty = _penalty(mapped, sharded, key)
+  with jax.set_mesh(mesh):
+    assert_trees_close(jax.grad(penalty)(params), expected, rtol=1e-4)
+    jvp = jax.jvp(penalty, (params,), (tangent,))[1]
+  np.testing.assert_allclose(jvp, expected_jvp, rtol=1e-4)
+
+
+def _devices(count):
+  return jax.make_mesh((count,), ("data",), devices=jax.devices()[:count])
+
+
+def test_multisteps_exact_windows_refuse_differentiation_by_name():
+  """MultiSteps' exact windows keep int32 bins across calls: no derivative
+  flows through them, so differentiating is refused rather than zero."""
+  params = {"w": jnp.ones(3)}
+  window = jaccum.MultiSteps(optax.identity(), 1, deterministic=True)
+  state = window.init(params)
+  update = lambda g: jnp.sum(window.update({"w": g}, state, params)[0]["w"] ** 2)
+  with pytest.raises(TypeError, match="MultiSteps\\(deterministic=True\\)"):
+    jax.grad(update)(jnp.arange(3.0))
+
+
+def _with_last(loss):
+  """grad_fn with aux: the micro-batch's loss and its rows' first feature."""
+
+  def grad_fn(params, batch, key):
+    value, grads = jax.value_and_grad(loss)(params, batch, key)
+    return grads, (value, batch["x"][:, 0])
+
+  return grad_fn
+
+
+def test_last_is_the_global_last_microbatch_on_every_split_and_route():
+  """reduce="last" with deterministic=True: micro-batch 7 of the global order
+  (rows 28..31), whatever K and the devices; with counts, the last that ran."""
+  params, batch, loss = mlp(MICROBATCHES * ROWS, keep=1)
+  key = jax.random.key(5)
+  last_rows = jax.tree.map(lambda x: x[-ROWS:], batch)
+  value = jax.jit(loss)(params, last_rows, jax.random.fold_in(key, 7))
+  expected = (np.asarray(value), batch["x"][-ROWS:, 0])
+  options = dict(reduce=("mean", "last"), deterministic=True, rng_argnum=2)
+  grad_fn = _with_last(loss)
+  one = jax.jit(jaccum.accumulate(grad_fn, 8, **options))(params, batch, key)
+  assert_trees_close(one[1], expected, rtol=1e-6)
+  last_loss = lambda p: loss(p, last_rows, jax.random.fold_in(key, 7))
+  expected_jvp = jax.jvp(last_loss, (params,), (params,))[1]
+  for devices, k in [(1, 8), (2, 4), (8, 1)]:
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    step = jaccum.data_parallel(grad_fn, k, mesh=mesh, **options)
+    assert_same_bits(jax.jit(step)(params, batch, key), one)
+    with jax.set_mesh(mesh):  # its derivative is the last micro-batch's too
+      last = lambda p, step=step: jax.jit(step)(p, batch, key)[1][0]
+      jvp = jax.jvp(last, (params,), (params,))[1]
+    np.testing.assert_allclose(jvp, expected_jvp, rtol=1e-5)
+    explicit = jax.make_mesh(
+      (devices,),
+      ("data",),
+      axis_types=(jax.sharding.AxisType.Explicit,),
+      devices=jax.devices()[:devices],
+    )
+    sharded = jax.device_put(batch, jax.NamedSharding(explicit, jax.P("data")))
+    step = jaccum.accumulate(grad_fn, k, **options)
+    with jax.set_mesh(explicit):
+      assert_same_bits(jax.jit(step)(params, sharded, key), one)
+    inner = jaccum.accumulate(grad_fn, k, axis_name="data", **options)
+    mapped = jax.shard_map(
+      inner, mesh=mesh, in_specs=(jax.P(), jax.P("data"), jax.P()), out_specs=jax.P()
+    )
+    placed = jax.device_put(batch, jax.NamedSharding(mesh, jax.P("data")))
+    assert_same_bits(jax.jit(mapped)(params, placed, key), one)
+  # Elastic: 3 devices of 3 slots running 3, 3 and 2; the last real is
+  # micro-batch 7, on the last device.
+  mesh = jax.make_mesh((3,), ("data",), devices=jax.devices()[:3])
+  step = jax.jit(jaccum.data_parallel(grad_fn, 3, mesh=mesh, **options))
+  counts = jnp.array([3, 3, 2])
+  padded = _pad(batch, 9 * ROWS)
+  assert_same_bits(step(params, padded, key, num_real_microbatches=counts), one)
+  # Nothing ran: zeros, as a count of 0 gives on one device.
+  none = step(params, padded, key, num_real_microbatches=jnp.zeros(3, jnp.int32))
+  assert_same_bits(none[1], jax.tree.map(np.zeros_like, one[1]))
+
+
+def test_multisteps_windows_past_the_bins_are_refused_or_cut_short():
+  """A window holds at most 2^15 - 1 exact mini-steps. A longer int window, or
+  a schedule whose value is known when it is read, is refused; a schedule
+  traced under jit that asks for more ends the window there (its mean exact,
+  never a wrapped sum) and counts it in `num_clamped`."""
+  params = {"w": jnp.zeros(3)}
+  limit = 2**15 - 1
+  with pytest.raises(ValueError, match=rf"every_k_schedule=70000.*at most {limit}"):
+    jaccum.MultiSteps(optax.sgd(1.0), 70000, deterministic=True)
+  constant = jaccum.MultiSteps(optax.sgd(1.0), lambda step: 70000, deterministic=True)
+  with pytest.raises(ValueError, match=r"every_k_schedule\(gradient_step\)=70000"):
+    constant.init(params)
+  grows = lambda step: jnp.where(step == 0, 2, 70000)
+  window = jaccum.MultiSteps(optax.identity(), grows, deterministic=True)
+  state = window.init(params)
+  gradient = {"w": jnp.full(3, 32000.0)}
+  for _ in range(2):
+    _, state = window.update(gradient, state, params)
+  with pytest.raises(ValueError, match=r"every_k_schedule\(gradient_step\)=70000"):
+    window.update(gradient, state, params)  # gradient_step 1, read eagerly
+
+  @jax.jit
+  def run(state):
+    def call(state, _):
+      updates, state = window.update(gradient, state, params)
+      return state, (updates["w"][0], state.emitted)
+
+    return jax.lax.scan(call, state, None, length=limit + 2)
+
+  state, (updates, emitted) = run(window.init(params))
+  assert np.flatnonzero(emitted).tolist() == [1, limit + 1]
+  assert updates[limit + 1] == 32000.0  # the exact mean of the window, cut short
+  assert int(state.num_clamped) == 1 and int(state.gradient_step) == 2

@@ -19,8 +19,8 @@ params with the float32 accumulator; bf16 params with `accum_dtype=None`),
 `jaccum.PowerSGD` with a `min_compression` too large to compress anything),
 `fsdp_mode` with `param_specs`, the mesh (one data axis, or HSDP's
 `("replica", "fsdp")` on 2 x 4), `jaccum.MultiSteps` over two calls,
-explicit `grad_leaves`, `unroll=2` and `conv_rewrite=False` (the model holds
-a 1-D convolution).
+explicit `grad_leaves`, `unroll=2`, `conv_rewrite=False` (the model holds
+a 1-D convolution) and `deterministic`.
 
 Routes (`ROUTES`): one device (`accumulate`), `data_parallel` on an auto and
 on an explicit mesh, and `accumulate(axis_name=...)` inside the user's own
@@ -42,6 +42,11 @@ d·N/D …; micro-batch k of them is rows k, k+K, … or the k-th block), with
 the key `fold_in(key_d, k)` (`key_d = fold_in(key, d)` for d > 0) and the
 state threaded through that device's micro-batches, and combines the
 results in NumPy as `accumulate`'s and `data_parallel`'s docstrings say.
+With `deterministic=True` the micro-batches are cut in its global order:
+micro-batch m is rows m·R .. (m+1)·R - 1, device d runs the global
+micro-batches from the number the devices before it run (d·K without a
+count), micro-batch m's key is `fold_in(key, m)`, and `"last"` is the last
+that ran of them all, the same on every device.
 jaccum runs in float64 too, so most comparisons are to 1e-12 of each leaf's
 largest magnitude; options that round by design are compared at their
 rounding (`Tolerance`).
@@ -243,6 +248,7 @@ OPTIONS = {
   "grad_leaves": (False, True),
   "unroll": (1, 2),
   "conv_rewrite": (True, False),
+  "deterministic": (False, True),
 }
 
 DEVICE_ONLY = ("reduce_dtype", "reduce_fn", "mesh")
@@ -272,11 +278,25 @@ ROUTES = {
 }
 
 
+# With `deterministic=True`, the options whose result depends on K and the
+# devices, at the levels that do (jaccum/_compose.py's table).
+DETERMINISTIC_REFUSES = {
+  "split": ("strided",),
+  "state": (True,),
+  "reduce_fn": ("psum", "powersgd"),
+  "reduce_dtype": ("bfloat16",),
+  "fsdp": ("shard_grads", "shard_all"),
+}
+
+
 def refused(a, b):
   """Whether two (option, level) pairs are refused (a rule of jaccum's table)."""
   levels = dict((a, b))
   if len(levels) < 2:
     return False
+  if levels.get("deterministic"):
+    (name, level), *_ = [(n, v) for n, v in levels.items() if n != "deterministic"]
+    return level in DETERMINISTIC_REFUSES.get(name, ())
   non_default = {name for name, level in levels.items() if level not in (None, False)}
   return non_default in (
     {"reduce_fn", "reduce_dtype"},
@@ -411,6 +431,7 @@ def make_setup(route_name, case):
     "unroll": case["unroll"],
     "conv_rewrite": case["conv_rewrite"],
     "overlap_reduction": case["overlap"],
+    "deterministic": case["deterministic"],
   }
   if case["dtype"] == "bfloat16_accum_none":
     options["accum_dtype"] = None
@@ -450,7 +471,8 @@ def out_specs(setup):
   case, per_device = setup.case, P(setup.axes)
   aux = {name: P() for name in AUX_MODES}
   if case["reduce"] == "mixed":
-    aux.update(last=per_device, concat=per_device)
+    # deterministic=True: the global last micro-batch's, the same everywhere.
+    aux.update(last=P() if case["deterministic"] else per_device, concat=per_device)
   spec = ((P(), aux), P())
   if case["state"]:
     spec = (spec, P())
@@ -594,6 +616,8 @@ def reference(setup, params, batch, state, key):
   rows_per_micro = BATCH // devices // K
   weights, outs, micro_grads, lasts, finals = [], [], [], [], []
   concat = np.zeros(BATCH)
+  first = 0  # deterministic=True: the global index of device d's first micro-batch
+  global_last = np.zeros(rows_per_micro)
   for device in range(devices):
     device_key = None
     if case["rng"]:
@@ -604,17 +628,20 @@ def reference(setup, params, batch, state, key):
       rows = micro_rows(device, k, devices, case["split"])
       micro = jax.tree.map(lambda x, rows=rows: jnp.asarray(x[rows]), batch)
       micro_key = None if device_key is None else jax.random.fold_in(device_key, k)
+      if case["deterministic"] and case["rng"]:
+        micro_key = jax.random.fold_in(key, first + k)
       (value, (aux, new_state)), grads = REFERENCE_STEP(
         params64, micro, device_state, micro_key
       )
       weights.append(float(np.sum(batch[column][rows])) if column else float(len(rows)))
       outs.append((value, aux))
       micro_grads.append(grads)
-      last = np.asarray(aux["last"])
+      last = global_last = np.asarray(aux["last"])
       concat[rows] = np.asarray(aux["concat"])
       device_state = new_state
     lasts.append(last)
     finals.append(device_state)
+    first += counts[device]
   ran = [aux for _, aux in outs]
   if not outs:  # nothing ran: one term of weight 0, shaped like a micro-step's
     aux = {name: np.float64(0) for name in AUX_MODES}
@@ -632,8 +659,9 @@ def reference(setup, params, batch, state, key):
       # "n = 0 gives zeros" (accumulate's docstring): max and min of nothing too.
       "max": pick("max", max),
       "min": pick("min", min),
-      # Each device's own last micro-batch, devices in order (zeros if none ran).
-      "last": np.concatenate(lasts),
+      # Each device's own last micro-batch, devices in order (zeros if none
+      # ran); deterministic=True: the last of the global order that ran.
+      "last": global_last if case["deterministic"] else np.concatenate(lasts),
       "concat": concat,
     }
     aux_magnitude = {name: float(np.max(np.abs(x))) for name, x in aux.items()}
@@ -892,14 +920,18 @@ def refuse_overlap_and_a_count(route_name):
   grad_fn, params = make_grad_fn(False, False), make_params(jnp.float32)
   count = jnp.int32(SOME)
   if route_name == "one_device":
-    step = jaccum.accumulate(grad_fn, K, overlap_reduction=True)
+    step = jaccum.accumulate(grad_fn, K, overlap_reduction=True, split="strided")
     return jax.jit(step)(params, make_batch(0), num_real_microbatches=count)
   mesh, _, batch = refusal_setup()
   if route_name == "data_parallel":
-    step = jaccum.data_parallel(grad_fn, K, mesh=mesh, overlap_reduction=True)
+    step = jaccum.data_parallel(
+      grad_fn, K, mesh=mesh, overlap_reduction=True, split="strided"
+    )
     counts = jnp.asarray(PER_DEVICE_COUNTS, jnp.int32)
     return jax.jit(step)(params, batch, num_real_microbatches=counts)
-  step = jaccum.accumulate(grad_fn, K, axis_name="data", overlap_reduction=True)
+  step = jaccum.accumulate(
+    grad_fn, K, axis_name="data", overlap_reduction=True, split="strided"
+  )
   in_shard_map = jax.shard_map(
     lambda p, b, n: step(p, b, num_real_microbatches=n),
     mesh=mesh,
@@ -919,9 +951,26 @@ def refuse_a_count_per_device_and_collectives():
     params, batch, None, None
   )
   mesh, params, batch = refusal_setup()
-  step = jaccum.data_parallel(grad_fn, K, mesh=mesh)
+  step = jaccum.data_parallel(grad_fn, K, mesh=mesh, split="strided")
   counts = jnp.asarray(PER_DEVICE_COUNTS, jnp.int32)
   jax.jit(step)(params, batch, num_real_microbatches=counts)
+
+
+def refuse_a_count_with_the_split_left_out(route_name):
+  grad_fn, params = make_grad_fn(False, False), make_params(jnp.float32)
+  count = jnp.int32(SOME)
+  if route_name == "one_device":
+    step = jaccum.accumulate(grad_fn, K)
+    return jax.jit(step)(params, make_batch(0), num_real_microbatches=count)
+  mesh, _, batch = refusal_setup()
+  if route_name == "data_parallel":
+    step = jaccum.data_parallel(grad_fn, K, mesh=mesh)
+    counts = jnp.asarray(PER_DEVICE_COUNTS, jnp.int32)
+    return jax.jit(step)(params, batch, num_real_microbatches=counts)
+  _, _, batch = refusal_setup(AxisType.Explicit)  # accumulate splits it as one
+  return jax.jit(jaccum.accumulate(grad_fn, K))(
+    params, batch, num_real_microbatches=count
+  )
 
 
 def refuse_a_count_and_contiguous_on_a_sharded_batch():
@@ -994,6 +1043,26 @@ def refuse_deterministic_and_too_many_microbatches():
   step(1.0, np.zeros((513, 1), np.float32))
 
 
+def refuse_deterministic_on_the_whole_batchs_route():
+  """A reshard of the activation over "data" on fewer rows per device than
+  devices: only the whole batch's step runs it, which deterministic refuses."""
+  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+
+  def grad_fn(params, batch):
+    def loss(params):
+      hidden = jnp.tanh(batch["x"][:, :, 0] @ params["dense"][:LENGTH])
+      hidden = jax.sharding.reshard(hidden, NamedSharding(mesh, P("data")))
+      return jnp.mean((hidden - batch["y"]) ** 2)
+
+    return jax.grad(loss)(params)
+
+  params = jax.device_put(make_params(jnp.float32), NamedSharding(mesh, P()))
+  batch = {k: v for k, v in make_batch(0).items() if k in ("x", "y")}
+  batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  step = jaccum.data_parallel(grad_fn, K, mesh=mesh, deterministic=True)
+  jax.jit(step)(params, batch)
+
+
 def refuse_stats_of_one_batch_size():
   step = jaccum.accumulate(make_grad_fn(False, False), 1, return_stats=True)
   jax.jit(step)(make_params(jnp.float32), make_batch(0))
@@ -1035,6 +1104,14 @@ REFUSALS = {
     r"num_real_microbatches with a count that differs between devices, and a "
     r"grad_fn that communicates over the data axes \['data'\]",
   ),
+  "a count × the split left out": (
+    [
+      functools.partial(refuse_a_count_with_the_split_left_out, route)
+      for route in ("one_device", "data_parallel", "sharded")
+    ],
+    r"num_real_microbatches with the split left out \(strided, the default\) "
+    r"runs micro-batches 0..n-1 of K=4, micro-batch k holding rows k, k \+ K",
+  ),
   'a count × `split="contiguous"` on a batch sharded by `accumulate`': (
     [refuse_a_count_and_contiguous_on_a_sharded_batch],
     r'num_real_microbatches with split="contiguous" and a batch sharded',
@@ -1043,6 +1120,11 @@ REFUSALS = {
     [refuse_last_and_contiguous_on_a_sharded_batch],
     r'reduce="last" at output\[0\]\[1\]\[\'last\'\] with split="contiguous" and a '
     r"batch sharded",
+  ),
+  "`deterministic`, `return_stats`, `state_argnum`, a count or `reduce_fn` × "
+  "the whole batch's route": (
+    [refuse_deterministic_on_the_whole_batchs_route],
+    r"deterministic=True needs the per-device loop, which cannot run grad_fn here",
   ),
   "`return_stats` × one batch size": (
     [refuse_stats_of_one_batch_size],
@@ -1110,3 +1192,262 @@ REFUSAL_CASES = [
 def test_a_refused_pair_is_refused_by_name(pair, attempt):
   with pytest.raises((ValueError, TypeError), match=REFUSALS[pair][1]):
     attempt()
+
+
+# --- accumulate_coupled × its options.
+#
+# The same idea for `jaccum.accumulate_coupled` (issue 36): its options, the
+# route (one device; `axis_name` in the user's `shard_map`; `mesh=` on an auto
+# mesh; a batch sharded over an explicit mesh) among them, crossed pairwise
+# by `all_pairs`. The model is a CLIP loss with a learnable temperature over
+# two towers, one of them the 1-D convolution above. The reference is the
+# whole batch's `jax.value_and_grad(has_aux=True)` in float64 on the same
+# rows, each row's noise drawn with its micro-batch's documented key; it
+# does not call jaccum. Gradients of bf16 params are held to their rounding
+# times the sum of the magnitudes of the terms that make them (the loss's
+# direct gradient and each micro-batch's pull-back), computed apart.
+
+COUPLED_OPTIONS = {
+  "route": ("one_device", "shard_map", "mesh", "explicit"),
+  "dtype": ("float64", "bfloat16", "bfloat16_accum_none"),
+  "batch_argnums": ("one", "two"),  # {"x", "y"} as argument 1, or x, y as 1 and 2
+  "num_microbatches": (K, 1),
+  "rng": (False, True),
+  "state": (False, True),  # read-only: a shift and an int counter
+  "split": ("strided", "contiguous"),
+  "has_aux": (False, True),
+  "unroll": (1, 2),
+  "conv_rewrite": (True, False),
+}
+COUPLED_CASES = all_pairs(COUPLED_OPTIONS)
+
+
+def coupled_case_id(index, case):
+  changed = [
+    f"{name}={level}"
+    for name, level in case.items()
+    if level != COUPLED_OPTIONS[name][0]
+  ]
+  return f"coupled-{index:02d}[{','.join(changed)}]"
+
+
+def coupled_towers(params, x, y, state, key):
+  """Per row on its own: `(reps, row_aux)`."""
+  p = jax.tree.map(lambda a: a.astype(x.dtype), params)  # bf16 params: float64 math
+  if key is not None:
+    x = x + 0.1 * jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
+  if state is not None:
+    x = x - state["shift"] * (state["count"] + 1)
+  image = jnp.tanh(conv1d(x, p["conv"])).reshape(x.shape[0], -1) @ p["dense"]
+  text = jnp.tanh(y @ p["text"])
+  norm = lambda z: jnp.linalg.norm(z, axis=-1, keepdims=True)
+  reps = {"image": image / norm(image), "text": text / norm(text)}
+  row_aux = {"norm": norm(image)[:, 0], "arg": jnp.argmax(image, -1), "up": y[:, 0] > 0}
+  return reps, row_aux
+
+
+def coupled_loss(params, reps):
+  """CLIP with a learnable temperature, and measurements of its logits."""
+  t = jnp.exp(params["log_temp"].astype(reps["image"].dtype))
+  logits = t * reps["image"] @ reps["text"].T
+  labels = jnp.arange(logits.shape[0])
+  ce = optax.softmax_cross_entropy_with_integer_labels
+  loss = (ce(logits, labels).mean() + ce(logits.T, labels).mean()) / 2
+  aux = {"t": t, "ncorrect": jnp.sum(jnp.argmax(logits, 1) == labels), "logits": logits}
+  return loss, aux
+
+
+def coupled_params(dtype):
+  rng = np.random.default_rng(1)
+  params = {
+    "conv": rng.normal(size=(3, 1, 2)) / 2,
+    "dense": rng.normal(size=(2 * LENGTH, 3)) / 4,
+    "text": rng.normal(size=(2, 3)),
+    "log_temp": np.array(1.0),
+  }
+  return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+COUPLED_STATE = {"shift": 0.3, "count": 2}
+
+
+def coupled_functions(case):
+  """`(encode_fn, loss_fn)` with the case's argument layout and outputs."""
+  two = case["batch_argnums"] == "two"
+
+  def encode_fn(params, *args):
+    rest = list(args[2:] if two else args[1:])
+    x, y = args[:2] if two else (args[0]["x"], args[0]["y"])
+    state = rest.pop(0) if case["state"] else None
+    key = rest.pop(0) if case["rng"] else None
+    reps, row_aux = coupled_towers(params, x, y, state, key)
+    out = (reps, row_aux) if case["has_aux"] else reps
+    return (out, state) if case["state"] else out
+
+  loss_fn = coupled_loss if case["has_aux"] else lambda p, r: coupled_loss(p, r)[0]
+  return encode_fn, loss_fn
+
+
+def coupled_mesh(route):
+  kind = AxisType.Auto if route == "mesh" else AxisType.Explicit
+  return jax.make_mesh((DEVICES,), ("data",), axis_types=(kind,))
+
+
+def coupled_step(case):
+  """The jitted step, and the call's arguments made from `(params, x, y, extras)`."""
+  encode_fn, loss_fn = coupled_functions(case)
+  route, two = case["route"], case["batch_argnums"] == "two"
+  num_batch = 2 if two else 1
+  options = {
+    "batch_argnums": (1, 2) if two else 1,
+    "split": case["split"],
+    "unroll": case["unroll"],
+    "conv_rewrite": case["conv_rewrite"],
+    "has_aux": case["has_aux"],
+  }
+  extra = 1 + num_batch
+  if case["state"]:
+    options["state_argnum"], extra = extra, extra + 1
+  if case["rng"]:
+    options["rng_argnum"] = extra
+  if case["dtype"] == "bfloat16_accum_none":
+    options["accum_dtype"] = None
+  mesh = None if route == "one_device" else coupled_mesh(route)
+  if route == "mesh":
+    options["mesh"] = mesh
+  if route == "shard_map":
+    options["axis_name"] = "data"
+  coupled = jaccum.accumulate_coupled(
+    encode_fn, loss_fn, case["num_microbatches"], **options
+  )
+
+  def arguments(params, x, y, extras):
+    batch = [x, y] if two else [{"x": x, "y": y}]
+    if route in ("shard_map", "explicit"):
+      batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    return (params, *batch, *extras)
+
+  if route != "shard_map":
+    return jax.jit(coupled), arguments
+  out = ((P(), (P(), P("data"))), P()) if case["has_aux"] else P()
+  step = jax.shard_map(
+    coupled,
+    mesh=mesh,
+    in_specs=(P(),) + (P("data"),) * num_batch + (P(),) * (case["state"] + case["rng"]),
+    out_specs=(out, P()) if case["state"] else out,
+  )
+  return jax.jit(step), arguments
+
+
+def coupled_micro_rows(case):
+  """Per micro-batch `(device, k, rows)`, by the documented split."""
+  devices = 1 if case["route"] == "one_device" else DEVICES
+  num_microbatches = case["num_microbatches"]
+  per_device = BATCH // devices
+  out = []
+  for device in range(devices):
+    local = np.arange(device * per_device, (device + 1) * per_device)
+    rows = per_device // num_microbatches
+    for k in range(num_microbatches):
+      if case["split"] == "strided":
+        out.append((device, k, local[k::num_microbatches]))
+      else:
+        out.append((device, k, local[k * rows : (k + 1) * rows]))
+  return out
+
+
+def coupled_key(key, device, k):
+  """Micro-batch k's key on device d: `fold_in(key_d, k)`, key_d = key on d = 0."""
+  device_key = key if device == 0 else jax.random.fold_in(key, device)
+  return jax.random.fold_in(device_key, k)
+
+
+def coupled_reference(case, params, x, y, state, key):
+  """`((loss, (aux, row_aux)), grads)` of the whole batch in float64, and a
+  magnitude per gradient leaf that bounds the terms it is summed from."""
+  params64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+  micro = coupled_micro_rows(case)
+
+  def encode(p, rows=None, device=0, k=0):
+    rows = np.arange(BATCH) if rows is None else rows
+    micro_key = None if key is None else coupled_key(key, device, k)
+    return coupled_towers(p, x[rows], y[rows], state, micro_key)
+
+  def encode_all(p):
+    if key is None:  # rows are independent: the whole batch at once
+      return encode(p)
+    parts = [encode(p, rows, device, k) for device, k, rows in micro]
+    order = np.argsort(np.concatenate([rows for _, _, rows in micro]))
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs)[order], *parts)
+
+  def whole(p):
+    reps, row_aux = encode_all(p)
+    loss, aux = coupled_loss(p, reps)
+    return loss, (aux, row_aux)
+
+  out = jax.value_and_grad(whole, has_aux=True)(params64)
+  magnitude = jax.tree.map(lambda g: np.max(np.abs(g)), out[1])
+  if case["dtype"] != "float64":
+    reps, _ = encode_all(params64)
+    direct, cotangent = jax.grad(lambda p, r: coupled_loss(p, r)[0], (0, 1))(
+      params64, reps
+    )
+    total = jax.tree.map(np.abs, direct)
+    for device, k, rows in micro:
+      _, pull = jax.vjp(
+        lambda p, rows=rows, d=device, k=k: encode(p, rows, d, k)[0], params64
+      )
+      (term,) = pull(jax.tree.map(lambda c, rows=rows: c[rows], cotangent))
+      total = jax.tree.map(lambda t, g: t + np.abs(g), total, term)
+    magnitude = jax.tree.map(np.max, total)
+  return out, magnitude
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  ("index", "case"),
+  list(enumerate(COUPLED_CASES)),
+  ids=[coupled_case_id(i, c) for i, c in enumerate(COUPLED_CASES)],
+)
+def test_coupled_every_pair_of_options_is_exact(index, case):
+  with jax.enable_x64(True), every_check() as check:
+    param_dtype = jnp.float64 if case["dtype"] == "float64" else jnp.bfloat16
+    params = coupled_params(param_dtype)
+    host = make_batch(0)
+    x, y = jnp.asarray(host["x"]), jnp.asarray(host["y"])
+    state = {
+      "shift": jnp.float64(COUPLED_STATE["shift"]),
+      "count": jnp.int32(COUPLED_STATE["count"]),
+    }
+    key = jax.random.key(7)
+    extras = ([state] if case["state"] else []) + ([key] if case["rng"] else [])
+    step, arguments = coupled_step(case)
+    got = step(*arguments(params, x, y, extras))
+    ref, magnitude = coupled_reference(
+      case, params, x, y, state if case["state"] else None, key if case["rng"] else None
+    )
+    (loss, (aux, row_aux)), grads = ref
+    if case["state"]:
+      got, new_state = got
+      check(assert_trees_close, new_state, state, rtol=0)  # read, never changed
+    value = (loss, (aux, row_aux)) if case["has_aux"] else loss
+    expected = (value, as_dtypes(grads, params))
+    tolerance = {"float64": EXACT, "bfloat16": BF16_PARAMS}.get(
+      case["dtype"], BF16_SUMMED
+    )
+    # The loss and the auxes are float64 math on the same values: exact.
+    value_magnitude = jax.tree.map(lambda v: np.max(np.abs(v), initial=0.0), value)
+    assert_leaves_close(
+      got,
+      expected,
+      (jax.tree.map(lambda _: EXACT, value), jax.tree.map(lambda _: tolerance, grads)),
+      (value_magnitude, magnitude),
+      check,
+    )
+
+
+def test_coupled_every_pair_of_levels_is_covered():
+  names = list(COUPLED_OPTIONS)
+  covered = set().union(*(pairs_of(case, names) for case in COUPLED_CASES))
+  assert valid_pairs(COUPLED_OPTIONS) <= covered
+  assert all(set(case) == set(names) for case in COUPLED_CASES)

@@ -7,6 +7,7 @@ loss summed over micro-batches (or the output put back together).
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -415,11 +416,61 @@ def test_zero_bubble_idle_at_four_stages_and_eight_microbatches():
   assert idle("1f1b", 2) == pytest.approx(3 / 19)
 
 
+def second_derivatives(loss, params, x, t):
+  """What differentiates the gradient of `loss(params, x, t)`: the Hessian in
+  the stages' scales (forward over reverse, as `jax.hessian` does),
+  Hessian-vector products forward over reverse and reverse over reverse, and
+  the gradient in `x` of the gradient's squared norm (a gradient penalty)."""
+  v = jax.tree.map(
+    lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params
+  )
+  grad = jax.grad(loss)
+  along_v = lambda p: sum(jax.tree.leaves(jax.tree.map(jnp.vdot, grad(p, x, t), v)))
+  penalty = lambda x: sum(jnp.sum(g**2) for g in jax.tree.leaves(grad(params, x, t)))
+  return {
+    "hessian": jax.hessian(lambda s: loss({**params, "scale": s}, x, t))(
+      params["scale"]
+    ),
+    "hvp_forward_over_reverse": jax.jvp(lambda p: grad(p, x, t), (params,), (v,))[1],
+    "hvp_reverse_over_reverse": jax.grad(along_v)(params),
+    "gradient_penalty": jax.grad(penalty)(x),
+  }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_second_derivatives_through_the_gradient_schedules(schedule):
+  """Their gradient is a custom VJP whose forward rule runs the schedule's
+  loop, plain JAX that can itself be differentiated: whatever differentiates
+  the gradient matches the sequential model in float64. The loss itself has
+  no forward mode (the pipeline guide says so)."""
+  with jax.enable_x64(True):
+    mesh = make_mesh("data×stage")
+    params, x, t = make_problem(mesh, jnp.float64)
+    pipe = jaccum.pipeline(
+      stage_fn, KS, mesh=mesh, data_axes=("data",), schedule=schedule, loss_fn=loss_fn
+    )
+    reference = functools.partial(
+      sequential, stage_fn, shards=2, num_microbatches=KS, loss=loss_fn
+    )
+    reference_loss = lambda p, x, t: reference(p, x, targets=t)
+    actual = jax.jit(second_derivatives, static_argnums=0)(pipe, params, x, t)
+    expected = jax.jit(second_derivatives, static_argnums=0)(
+      reference_loss, params, x, t
+    )
+    assert_trees_close(actual, expected, RTOL[jnp.float64])
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+      jax.jvp(lambda s: pipe({**params, "scale": s}, x, t), (params["scale"],),
+              (params["scale"],))  # fmt: skip
+
+
 @pytest.mark.parametrize(
   ("args", "options", "error", "message"),
   [
-    ((0, 4), {}, TypeError, r"num_stages must be a positive int, got 0"),
+    ((0, 4), {}, ValueError, r"num_stages must be a positive int, got 0"),
     ((4, 0), {}, ValueError, r"num_microbatches must be a positive int, got 0"),
+    ((4, 4), {"num_virtual_stages": -1}, ValueError, r"num_virtual_stages .* got -1"),
+    ((4.0, 4), {}, TypeError, r"num_stages must be a positive int, got 4.0"),
     ((4, 4), {"schedule": "zb"}, ValueError, r"schedule must be one of"),
     (
       (4, 4),
@@ -723,49 +774,71 @@ def test_closed_over_values_get_gradients(schedule):
   """A scale shared by all stages, a table the stages and the head both use,
   the head's weights: their gradients are summed over stages and micro-batches,
   as the sequential loop's are."""
-  options, inside, num_chunks = SCHEDULES[schedule]
-  mesh = make_mesh("data×stage")
   with jax.enable_x64(True):
-    params, x, t = make_problem(mesh, jnp.float64, num_chunks)
-    keys = jax.random.split(jax.random.key(4), 2)
-    shared = {
-      "scale": jnp.float64(0.7),
-      "table": jax.random.normal(keys[0], (WIDTH, WIDTH), jnp.float64) / 4,
-      "head": jax.random.normal(keys[1], (WIDTH, WIDTH), jnp.float64) / 3,
-    }
+    check_closed_over_values(schedule, make_mesh("data×stage"), jnp.float64)
 
-    def functions(shared):
-      stage = lambda p, h: (
-        stage_fn(p, h) * shared["scale"] + jnp.tanh(h @ shared["table"])
-      )
-      head = lambda y, t: loss_fn(y @ shared["head"] + y @ shared["table"], t)
-      return stage, head
 
-    def pipelined(shared, params, x, t):
-      stage, head = functions(shared)
-      pipe = jaccum.pipeline(
-        stage,
-        K2S,
-        mesh=mesh,
-        data_axes="data",
-        num_virtual_stages=num_chunks,
-        loss_fn=head if inside else None,
-        **options,
-      )
-      params = stacked(params, num_chunks)
-      return pipe(params, x, t) if inside else head(pipe(params, x), t)
+@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_closed_over_values_under_set_mesh(schedule, axis_type):
+  """Issue 36, items 3 and 12. Under `jax.set_mesh`, the values closed over
+  are typed on the mesh: on an explicit one JAX refused the shard_map
+  closing over them ("Closing over inputs to shard_map where the input is
+  sharded on `Explicit` axes is not implemented", every schedule), on an
+  auto one GPipe's backward made zeros of their type inside it ("Context
+  mesh ... should match the mesh of sharding", "1f1b" and "zb-h1" ran).
+  They now cross into shard_map as inputs."""
+  mesh = make_mesh("data×stage", axis_type)
+  with jax.set_mesh(mesh):
+    check_closed_over_values(schedule, mesh, jnp.float32)
 
-    def reference(shared, params, x, t):
-      stage, head = functions(shared)
-      run = functools.partial(
-        sequential, stage, params, x, shards=2, num_microbatches=K2S
-      )
-      return run(loss=head, targets=t)
 
-    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
-    actual = grad(pipelined)(shared, params, x, t)
-    expected = grad(reference)(shared, params, x, t)
-    assert_trees_close(actual, expected, 1e-12)
+def check_closed_over_values(schedule, mesh, dtype):
+  """The pipeline's value and gradients, closing over `shared` (traced and,
+  as `placed`, arrays placed on the mesh), against the sequential loop's."""
+  options, inside, num_chunks = SCHEDULES[schedule]
+  params, x, t = make_problem(mesh, dtype, num_chunks)
+  keys = jax.random.split(jax.random.key(4), 2)
+  shared = {
+    "scale": jnp.asarray(0.7, dtype),
+    "table": jax.random.normal(keys[0], (WIDTH, WIDTH), dtype) / 4,
+    "head": jax.random.normal(keys[1], (WIDTH, WIDTH), dtype) / 3,
+  }
+  bias = jnp.linspace(-1, 1, WIDTH, dtype=dtype)
+  placed = {"bias": jax.device_put(bias, NamedSharding(mesh, P()))}
+
+  def functions(shared):
+    stage = lambda p, h: (
+      stage_fn(p, h) * shared["scale"] + jnp.tanh(h @ shared["table"]) + placed["bias"]
+    )
+    head = lambda y, t: loss_fn(y @ shared["head"] + y @ shared["table"], t)
+    return stage, head
+
+  def pipelined(shared, params, x, t):
+    stage, head = functions(shared)
+    pipe = jaccum.pipeline(
+      stage,
+      K2S,
+      mesh=mesh,
+      data_axes="data",
+      num_virtual_stages=num_chunks,
+      loss_fn=head if inside else None,
+      **options,
+    )
+    params = stacked(params, num_chunks)
+    return pipe(params, x, t) if inside else head(pipe(params, x), t)
+
+  def reference(shared, params, x, t):
+    stage, head = functions(shared)
+    run = functools.partial(
+      sequential, stage, params, x, shards=2, num_microbatches=K2S
+    )
+    return run(loss=head, targets=t)
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+  actual = grad(pipelined)(shared, params, x, t)
+  expected = grad(reference)(shared, params, x, t)
+  assert_trees_close(jax.device_get(actual), jax.device_get(expected), RTOL[dtype])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
@@ -1205,8 +1278,13 @@ def test_error_rng_not_a_key():
     ),
     (
       {"num_virtual_stages": 0},
+      ValueError,
+      r"num_virtual_stages must be a positive int, got 0",
+    ),
+    (
+      {"num_virtual_stages": 2.0},
       TypeError,
-      r"num_virtual_stages must be a positive int",
+      r"num_virtual_stages must be a positive int, got 2.0",
     ),
     ({"accum_dtype": jnp.int32}, TypeError, r"accum_dtype must be a floating dtype"),
   ],
@@ -1216,9 +1294,25 @@ def test_error_options(options, error, message):
     jaccum.pipeline(stage_fn, 2, mesh=make_mesh("stage"), **options)
 
 
-@pytest.mark.parametrize("num_microbatches", [0, 2.5])
-def test_error_num_microbatches(num_microbatches):
-  with pytest.raises(
-    (TypeError, ValueError), match=r"num_microbatches must be a positive int"
-  ):
+@pytest.mark.parametrize(
+  ("num_microbatches", "error"), [(0, ValueError), (-2, ValueError), (2.5, TypeError)]
+)
+def test_error_num_microbatches(num_microbatches, error):
+  with pytest.raises(error, match=r"num_microbatches must be a positive int"):
     jaccum.pipeline(stage_fn, num_microbatches, mesh=make_mesh("stage"))
+
+
+@pytest.mark.parametrize("function", [jaccum.pipeline, jaccum.pipeline_schedule])
+def test_docstrings_say_which_error_a_bad_count_raises(function):
+  """A count that is not an int is a TypeError, a non-positive int a
+  ValueError (as `accumulate`'s num_microbatches): the Raises sections say
+  so, for every count the function takes."""
+  raises = function.__doc__.split("Raises:")[1].split("Examples:")[0]
+  sections = dict(re.findall(r"(TypeError|ValueError): (.*?)(?=\n    \w+Error:|$)",
+                             raises, re.S))  # fmt: skip
+  counts = ["num_microbatches", "num_virtual_stages"]
+  if function is jaccum.pipeline_schedule:
+    counts.append("num_stages")
+  for name in counts:
+    assert name in sections["TypeError"] and "not an int" in sections["TypeError"]
+    assert name in sections["ValueError"] and "below 1" in sections["ValueError"]

@@ -469,13 +469,97 @@ def test_measure_chooses_the_fastest_it_timed_and_shows_both_figures():
 def test_measure_with_no_time_runs_nothing_and_keeps_the_models_choice():
   ws = jnp.ones((4, 64, 64)) / 64
   x = jnp.ones((256, 64))
-  plan = jaccum.fit_plan(
-    mlp_grad_fn, ws, x, memory_budget=1 << 30, cost_model=COST, measure=0.0
-  )
+  with pytest.warns(UserWarning, match=r"fit_plan\(measure=0\) timed no step"):
+    plan = jaccum.fit_plan(
+      mlp_grad_fn, ws, x, memory_budget=1 << 30, cost_model=COST, measure=0.0
+    )
   assert all(p.measured_seconds is None for p in plan.tried.values())
   assert plan.model_choice == (plan.num_microbatches, plan.remat, plan.fsdp_mode)
   assert plan.measured_seconds is None
   assert "none could be timed in it" in str(plan).splitlines()[0]
+
+
+def test_a_measured_plan_that_timed_nothing_says_so_and_names_a_bound():
+  # A cost model that predicts each step to take seconds: its first call is
+  # judged to need FIRST_CALL_MARGIN times that, more than the bound, so
+  # nothing may start (the test never waits for it).
+  slow = jaccum.CostModel(1e3, 1e3, 1e3, 1.0)
+  ws, x = jnp.ones((4, 64, 64)) / 64, jnp.ones((256, 64))
+  with pytest.warns(UserWarning, match="timed no step") as caught:
+    plan = jaccum.fit_plan(
+      mlp_grad_fn, ws, x, memory_budget=1 << 30, cost_model=slow, measure=0.5,
+      candidates=[1, 4],
+    )  # fmt: skip
+  assert plan.measured_seconds is None and plan.measure_seconds == 0.5
+  assert all(p.measured_seconds is None for p in plan.tried.values())
+  message = str(caught[0].message)
+  assert "plan.measured_seconds is None" in message
+  # The bound it names covers at least the choice's first call as judged.
+  suggested = float(re.search(r"pass measure=([0-9.e+]+)", message).group(1))
+  first_call = plan.predicted_seconds * _timing.FIRST_CALL_MARGIN
+  assert suggested >= first_call > 0.5
+  assert "none could be timed in it" in str(plan).splitlines()[0]
+
+
+def test_measure_times_the_models_choice_first_and_keeps_its_bound(monkeypatch):
+  """On the wall clock, so only structure and a bound with a justified margin.
+
+  The choice is compiled by the search: it is timed before anything is
+  compiled for measuring. The timer starts nothing the time left does not
+  cover by the longest of its kind so far, so only the last thing started
+  can run past the bound, by at most its own length: one batch of
+  compilations side by side (as long as its longest build) or one round
+  (each step timed once). The rest of the measuring (the spread, recording
+  a compiled step's figures) is milliseconds: 1 s covers a stall of a busy
+  shared machine.
+  """
+  events, builds, calls = [], [], []
+  build, add, call_time = _plan._Search.build, _timing.Timer.add, _timing.Timer._time
+  init = _timing.Timer.__init__
+
+  def logged_init(self, *args, **kwargs):
+    events.append(("measuring",))
+    init(self, *args, **kwargs)
+
+  def logged_build(self, point):
+    compiled, seconds = build(self, point)
+    events.append(("compiled", self.key(point)))
+    builds.append(seconds)
+    return compiled, seconds
+
+  def logged_add(self, key, call, predicted):
+    new = key not in self.first
+    entered = add(self, key, call, predicted)
+    if entered and new:
+      events.append(("timed", key))
+    return entered
+
+  def logged_time(self, call):
+    seconds = call_time(self, call)
+    calls.append(seconds)
+    return seconds
+
+  monkeypatch.setattr(_timing.Timer, "__init__", logged_init)
+  monkeypatch.setattr(_plan._Search, "build", logged_build)
+  monkeypatch.setattr(_timing.Timer, "add", logged_add)
+  monkeypatch.setattr(_timing.Timer, "_time", logged_time)
+  ws = jax.random.normal(jax.random.key(0), (8, 128, 128)) / 12
+  x = jax.random.normal(jax.random.key(1), (512, 128))
+  bound = 1.0
+  plan = jaccum.fit_plan(
+    mlp_grad_fn, ws, x, memory_budget=1 << 30, cost_model=COST,
+    candidates=CANDIDATES, measure=bound,
+  )  # fmt: skip
+  measuring = events[events.index(("measuring",)) + 1 :]
+  # The choice is timed before anything is compiled (with 15 points of
+  # 0.1-0.5 s compilations, the spread is compiled within the bound after).
+  search_compiled = len(builds) - sum(e[0] == "compiled" for e in measuring)
+  assert measuring[0][0] == "timed"
+  assert plan.tried[plan.model_choice].measured_seconds is not None
+  timed = [p for p in plan.tried.values() if p.measured_seconds is not None]
+  longest_build = max(builds[search_compiled:], default=0.0)
+  one_round = max(calls) * len(timed)
+  assert plan.measure_spent_seconds <= bound + longest_build + one_round + 1.0
 
 
 class FakeClock:
@@ -514,6 +598,15 @@ def test_the_timer_starts_only_what_the_time_left_covers():
   assert timer.rounds == {key: [s] * 5 for key, s in durations.items()}
   assert timer.fastest() == "a" and timer.median("c") == 0.5
   assert not timer.add("d", clock.after(0.125), predicted=0.125)  # No time left.
+
+
+def test_a_compilation_longer_than_foreseen_stops_the_next_one():
+  # Foreseen at 1 s each, the compilations take 4 s: after the first the
+  # timer knows, and starts a second (8 s) but not a third (12 s > 10 s).
+  clock = FakeClock()
+  timer = _timing.Timer(10.0, longest_compile=1.0, clock=clock)
+  assert len(timer.compile([clock.after(4.0)] * 20, workers=1)) == 2
+  assert clock.now == 8.0 and timer.cut_short and timer.longest_compile == 4.0
 
 
 @pytest.mark.parametrize("seed", range(20))

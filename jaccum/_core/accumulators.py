@@ -27,8 +27,9 @@ Reduction = Literal["mean", "sum", "concat", "last", "max", "min"]
 REDUCTIONS = ("mean", "sum", "concat", "last", "max", "min")
 # How the devices combine a carry (`reduction.over_devices`): summed (in one
 # fused psum, exact sums as integers), by maximum or minimum, kept per device,
-# or (scattered in the loop already) summed over the other data axes only.
-Wire = Literal["sum", "max", "min", "keep", "rest", "none"]
+# taken from the last device that ran a micro-batch, or (scattered in the loop
+# already) summed over the other data axes only.
+Wire = Literal["sum", "max", "min", "keep", "last", "rest", "none"]
 
 
 def check_accum_dtype(accum_dtype: Any, name: str) -> np.dtype | None:
@@ -124,7 +125,7 @@ def finishing(num_terms: int | None, weights: Weights | None) -> Finish:
   device, by its exact weights."""
   divisor: Any = num_terms
   if weights is not None and exact.is_acc(weights.total):
-    divisor = exact_divisor(weights, weight_sum(weights))
+    divisor = exact_divisor(weights, weights.total)
   return Finish(num_terms, weights, divisor)
 
 
@@ -176,7 +177,8 @@ class Accumulator:
     return carry
 
   def summed(self, value: Any, total: Any, weights: Weights | None) -> Any:
-    """The combined carry, from the sum over devices (`total`: summed weights)."""
+    """The combined carry, from the sum over devices (`total`: the summed
+    weights, an exact sum with `deterministic=True`)."""
     return value
 
   def finish(self, carry: Any, how: Finish) -> Any:
@@ -266,7 +268,7 @@ class WeightedMean(Mean):
   def summed(self, value, total, weights):
     if total is None:
       return value
-    return weighted_mean(value, total).astype(self.carry_dtype)
+    return weighted_mean(value, exact.as_float(total)).astype(self.carry_dtype)
 
   def share(self, carry, weights, total, num_terms):
     compute = jnp.promote_types(carry.dtype, weights.norm.dtype)
@@ -299,11 +301,21 @@ class Concat(Accumulator):
 
 @dataclasses.dataclass(frozen=True)
 class Last(Accumulator):
+  """The last micro-batch's output: each device's own (rows per example)."""
+
   kind = "last"
   wire = "keep"
 
   def update(self, carry, value, index, fold):
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalLast(Last):
+  """`deterministic=True`'s `"last"`: the global order's last micro-batch (the
+  last that ran), whole and the same on every device, any shape."""
+
+  wire = "last"
 
 
 def _extreme(dtype: np.dtype, highest: bool) -> Any:
@@ -361,12 +373,10 @@ class Exact(Accumulator):
     return exact.zeros(self.shape, self.carry_dtype, full_like(like))
 
   def update(self, carry, value, index, fold):
-    value = jnp.asarray(value).astype(self.carry_dtype)
-    if self.averaged and fold is not None and fold.after.norm is None:
-      # Weighted by weight_fn: the term is w·out (0 where w is 0, NaN too).
-      weight = fold.weight.astype(self.carry_dtype)
-      value = jnp.where(fold.weight != 0, weight * value, 0)
-    return exact.add(carry, value)
+    # `w·out` for a mean weighted by weight_fn (0 where w is 0, NaN too);
+    # unit weights (a count without weight_fn) add `out`, as without a count.
+    weighted = self.averaged and fold is not None and fold.after.norm is None
+    return exact.add(carry, value, fold.weight if fold and weighted else None)
 
   def summed(self, value, total, weights):
     if self.averaged and total is not None:
@@ -375,10 +385,9 @@ class Exact(Accumulator):
     return value
 
   def finish(self, carry, how):
-    carry = exact.as_float(carry)  # one device's sum: read back once
     if self.averaged and how.divisor is not None:
       return jnp.astype(exact.divide(carry, how.divisor), self.dtype)
-    return jnp.astype(carry, self.dtype)
+    return jnp.astype(exact.as_float(carry), self.dtype)  # read back once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +414,7 @@ class Scattered(Accumulator):
 
   def summed(self, value, total, weights):
     if self.averaged and total is not None:
-      return weighted_mean(value, total).astype(self.carry_dtype)
+      return weighted_mean(value, exact.as_float(total)).astype(self.carry_dtype)
     return value
 
   def finish(self, carry, how):
@@ -500,6 +509,8 @@ def choose(choice: Choice, out_shape: Any) -> Any:
         )
       return Exact(dtype, exact.compute_dtype(dtype), shape.shape, mode == "mean")
     carry = _carry_dtype(mode, dtype, choice.accum_dtype)
+    if mode == "last" and choice.exact:
+      return GlobalLast(dtype, carry, shape.shape)
     kind = {
       "mean": WeightedMean if choice.weighted else Mean,
       "sum": Sum,
@@ -572,10 +583,13 @@ def add_weight(weights: Weights, weight: jax.Array) -> Weights:
   return Weights(weights.total + weight, weights.norm + jnp.abs(weight))
 
 
-def exact_divisor(weights: Weights, total: jax.Array) -> jax.Array:
-  """What an exact mean divides by: `Σ w` (`total`), or with unit weights the
-  number of micro-batches, `Σ w / unit` (exact: integers), as without a count."""
-  return total if weights.norm is None else total / weights.norm.rows
+def exact_divisor(weights: Weights, total: Any) -> Any:
+  """What an exact mean divides by: `Σ w` (`total`, an exact sum), or with unit
+  weights the number of micro-batches, `Σ w / unit` (exact: integers), as
+  without a count."""
+  if weights.norm is None:
+    return total
+  return exact.as_float(total) / weights.norm.rows
 
 
 def weight_sum(weights: Weights) -> jax.Array:

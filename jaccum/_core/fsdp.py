@@ -30,6 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, Literal, Var
 
+from jaccum._core import wire as _wire
+from jaccum._core.rewrites import spec_axes
+
 
 def psum_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   """`lax.psum_scatter(x, axes)` along `dim`, tiled, whatever `x`'s type shards.
@@ -41,7 +44,12 @@ def psum_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   makes them manual too: each tensor-parallel shard is scattered on its own,
   which is the same sum.
   """
-  scatter = lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True)
+
+  def scatter(v):
+    return _wire.reduced(
+      lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True), v
+    )
+
   spec = tuple(getattr(jax.typeof(x).sharding, "spec", ()))
   explicit = {
     a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))
@@ -136,11 +144,32 @@ def tied(shard: jax.Array, tie: jax.Array) -> jax.Array:
   """
   if not jnp.issubdtype(shard.dtype, jnp.inexact) or tie.size == 0:
     return shard
-  element = tie[
-    (0,) * tie.ndim
-  ]  # not a reshape: on an explicit mesh it would need a sharding
+  element = _first_element(tie)
   flag = jnp.isnan(element) if jnp.issubdtype(element.dtype, jnp.inexact) else element
   return shard + flag.astype(shard.dtype) * 0
+
+
+def _first_element(x: jax.Array) -> jax.Array:
+  """`x`'s first element on each device, as a scalar, with no communication.
+
+  Not a reshape: on an explicit mesh it would need a sharding. Nor, where a
+  dimension is split over explicit axes (a tensor-parallel activation), an
+  index: JAX's types cannot slice one element out of it. There each device
+  reads its own first element under a `shard_map` over those axes: the
+  elements differ between devices, but only their dependence is used.
+  """
+  index = (0,) * x.ndim
+  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+  axes = {a for entry in spec for a in spec_axes(entry)}
+  if not axes:
+    return x[index]
+  return jax.shard_map(
+    lambda local: local[index],
+    in_specs=jax.P(*spec),
+    out_specs=jax.P(),
+    axis_names=axes,
+    check_vma=False,
+  )(x)
 
 
 _INLINED = ("pjit", "jit", "closed_call", "core_call")

@@ -144,8 +144,10 @@ class Measure(NamedTuple):
     w = jnp.asarray(rows if weight is None else weight, jnp.float32)
     norm = stats.sq_norm(out, self.whole_grads, self.split) + sum(norms, jnp.float32(0))
     sq_sum, count = sums
-    term = jnp.where(w != 0, w * norm, 0)
-    sq_sum = exact.add(sq_sum, term) if exact.is_acc(sq_sum) else sq_sum + term
+    if exact.is_acc(sq_sum):
+      sq_sum = exact.add(sq_sum, norm, w)
+    else:
+      sq_sum = sq_sum + jnp.where(w != 0, w * norm, 0)
     return sq_sum, count + (w != 0).astype(jnp.float32)
 
 
@@ -260,11 +262,13 @@ def run(
   args: Sequence[Any],
   kwargs: dict[str, Any],
   num_real: Any = None,
+  consts: Sequence[Any] = (),
 ) -> Carry:
   """Runs the micro-step over this device's micro-batches: the carry after the last.
 
   `num_real` (an int32 scalar, traced or not) runs only the first this many
-  micro-batches; None runs all K.
+  micro-batches; None runs all K. `consts`: the arrays a lifted function
+  closes over (`step.MicroStep.hoisted`), as this device holds them.
   """
   inputs = loop.inputs(function, args, kwargs, num_real)
   at = loop.inputs.at
@@ -274,7 +278,7 @@ def run(
     step_args = inputs.args_at(index, carry.state)
     weight = None if loop.weighing is None else loop.weighing(step_args, active)
     leaves = jax.tree.leaves((step_args, inputs.extras))
-    out, state, norms = loop.step(leaves, index, loop.scattered, weight)
+    out, state, norms = loop.step(leaves, index, loop.scattered, weight, consts)
     total, fold = carry.total, None
     if weight is not None:
       assert carry.total is not None

@@ -11,6 +11,7 @@ result and gets back their sum (or an estimate of it, compressed).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaccum._core import accumulators, exact
+from jaccum._core import wire as _wire
 from jaccum._core.accumulators import Weights
 
 
@@ -66,26 +68,55 @@ class Combined(NamedTuple):
   reduce_state: Any
 
 
-def device_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """Device 0's value of `x` on every device (exact for any dtype, keys too)."""
+def from_device(x: jax.Array, axes: tuple[str, ...], holder: Any) -> jax.Array:
+  """The value of `x` on device `holder` of `axes`, on every device.
+
+  Bit for bit for any dtype, keys too (a sum of one value and zeros).
+  """
+  mine = jax.lax.axis_index(axes) == holder
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return _float_from(axes, x, mine)
   is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
   data = jax.random.key_data(x) if is_key else x
   as_int = data.astype(jnp.int32) if data.dtype == jnp.bool_ else data
-  first = jax.lax.psum(
-    jnp.where(jax.lax.axis_index(axes) == 0, as_int, jnp.zeros_like(as_int)), axes
-  )
-  first = first.astype(data.dtype)
+  picked = jax.lax.psum(jnp.where(mine, as_int, jnp.zeros_like(as_int)), axes)
+  picked = picked.astype(data.dtype)
   return (
-    jax.random.wrap_key_data(first, impl=jax.random.key_impl(x)) if is_key else first
+    jax.random.wrap_key_data(picked, impl=jax.random.key_impl(x)) if is_key else picked
   )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _float_from(axes: tuple[str, ...], x: jax.Array, mine: jax.Array) -> jax.Array:
+  """`from_device` for floats: as integers of their width, so that -0.0 and
+  NaNs keep their bits; its derivative is the picked device's."""
+  as_int = jax.lax.bitcast_convert_type(x, f"int{8 * x.dtype.itemsize}")
+  picked = jax.lax.psum(jnp.where(mine, as_int, jnp.zeros_like(as_int)), axes)
+  return jax.lax.bitcast_convert_type(picked, x.dtype)
+
+
+@_float_from.defjvp
+def _float_from_jvp(axes, primals, tangents):
+  x, mine = primals
+  picked = jax.lax.psum(jnp.where(mine, tangents[0], jnp.zeros_like(tangents[0])), axes)
+  return _float_from(axes, x, mine), picked
+
+
+def _last_holder(axes: tuple[str, ...], ran: Any) -> jax.Array:
+  """The highest-indexed device of `axes` that ran a micro-batch (-1: none)."""
+  device = jax.lax.axis_index(axes)
+  return jax.lax.pmax(jnp.where(ran, device, -1), axes)
 
 
 def _on_the_wire(wire: Any, reduce: Callable[[list[Any]], list[Any]], xs: list[Any]):
-  """`reduce(xs)`, with each floating x cast to `wire` and back."""
-  if wire is None:
-    return reduce(xs)
-  narrow = [x.astype(wire) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
-  return [r.astype(x.dtype) for r, x in zip(reduce(narrow), xs, strict=True)]
+  """`reduce(xs)`, with each floating x cast to `wire` and back, in a form
+  every backend compiles (`wire.reduced`)."""
+  narrow = [
+    x.astype(wire) if wire is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+    for x in xs
+  ]
+  sums = _wire.reduced(reduce, narrow)
+  return [r.astype(x.dtype) for r, x in zip(sums, xs, strict=True)]
 
 
 def _scatters(
@@ -123,6 +154,32 @@ def _scatters(
       values[i] = value
 
 
+def _the_rest(
+  plan: Reduction,
+  accs: list[Any],
+  values: list[Any],
+  skipped: list[bool],
+  weights: Weights | None,
+  total: Any,
+  ran: Any,
+) -> None:
+  """After the sums, in place: maxima, minima, the global last micro-batch's
+  leaves, the sums' means divided by the total weight."""
+  holder = None
+  if any(a.wire == "last" for a in accs):
+    holder = _last_holder(plan.axes, ran)
+  for i, acc in enumerate(accs):
+    if skipped[i]:
+      continue
+    if acc.wire in ("max", "min"):
+      extreme = jax.lax.pmax if acc.wire == "max" else jax.lax.pmin
+      values[i] = _wire.reduced(lambda x, f=extreme: f(x, plan.axes), values[i])
+    elif acc.wire == "last":
+      values[i] = from_device(values[i], plan.axes, holder)
+    elif acc.wire in ("sum", "rest"):
+      values[i] = acc.summed(values[i], total, weights)
+
+
 def over_devices(
   plan: Reduction,
   accs_tree: Any,
@@ -131,6 +188,7 @@ def over_devices(
   state: Any,
   sums: Sequence[Any] = (),
   reduce_state: Any = None,
+  ran: Any = True,
 ) -> Combined:
   """The carries of every device of `plan.axes`, combined: one fused psum.
 
@@ -140,9 +198,11 @@ def over_devices(
   total weight, the floating state and `sums` go into a single psum (JAX
   lowers it to one all-reduce per array, each depending on that array
   alone; XLA may combine them); exact sums go into it as int32 bins aligned
-  over the axes and come back as floats (`exact.psum`). Floating state is
-  averaged over devices (BatchNorm statistics, as synchronised BatchNorm
-  does); other state (counters, keys, flags) takes device 0's value.
+  over the axes and come back exact (`exact.psum`, read where they are
+  finished). Floating state is averaged over devices (BatchNorm statistics,
+  as synchronised BatchNorm does); other state (counters, keys, flags) takes
+  device 0's value. `ran`: whether this device ran a micro-batch, which
+  says which device holds the global last (`accumulators.GlobalLast`).
   """
   axes = plan.axes
   accs, treedef = jax.tree.flatten(accs_tree, is_leaf=accumulators.is_accumulator)
@@ -169,26 +229,20 @@ def over_devices(
   if total is not None:
     to_sum.append(total)
   to_sum = exact.psum(to_sum, axes) if to_sum else []
-  total = to_sum.pop() if total is not None else None
-  summed_sums = to_sum[len(to_sum) - len(sums) :]
+  exact_total = to_sum.pop() if total is not None else None
+  summed_sums = [exact.as_float(x) for x in to_sum[len(to_sum) - len(sums) :]]
   for i, value in zip(summed, to_sum[: len(fused)], strict=False):
-    values[i] = value.astype(shares[i].dtype)
+    values[i] = value if exact.is_exact(value) else value.astype(shares[i].dtype)
   state_sums = iter(to_sum[len(fused) : len(to_sum) - len(sums)])
-  for i, acc in enumerate(accs):
-    if skipped[i]:
-      continue
-    if acc.wire in ("max", "min"):
-      values[i] = (jax.lax.pmax if acc.wire == "max" else jax.lax.pmin)(values[i], axes)
-    elif acc.wire in ("sum", "rest"):
-      values[i] = acc.summed(values[i], total, weights)
+  _the_rest(plan, accs, values, skipped, weights, exact_total, ran)
   num_devices = jax.lax.axis_size(axes)
   state_values = [
-    next(state_sums) / num_devices if f else device_zero(s, axes)
+    next(state_sums) / num_devices if f else from_device(s, axes, 0)
     for s, f in zip(state_values, floating, strict=True)
   ]
   combined = Combined(
     jax.tree.unflatten(treedef, values),
-    total,
+    exact.as_float(exact_total),
     jax.tree.unflatten(state_def, state_values),
     summed_sums,
     None,

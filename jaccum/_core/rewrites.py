@@ -120,10 +120,10 @@ def rewrite_eqns(closed: ClosedJaxpr, rewrite: EqnRewrite) -> ClosedJaxpr:
   return _Rewriter(rewrite).program(closed)
 
 
-def _jaxprs(jaxpr: jex.Jaxpr) -> Iterator[jex.Jaxpr]:
+def programs(jaxpr: jex.Jaxpr) -> Iterator[jex.Jaxpr]:
   yield jaxpr
   for sub in jex.subjaxprs(jaxpr):
-    yield from _jaxprs(sub)
+    yield from programs(sub)
 
 
 def sums_over(jaxpr: jex.Jaxpr, axes: Sequence[str]) -> bool:
@@ -131,12 +131,12 @@ def sums_over(jaxpr: jex.Jaxpr, axes: Sequence[str]) -> bool:
   return any(
     eqn.primitive.name in ("psum", "psum_invariant")
     and set(eqn.params.get("axes", ())) & set(axes)
-    for sub in _jaxprs(jaxpr)
+    for sub in programs(jaxpr)
     for eqn in sub.eqns
   )
 
 
-_COLLECTIVES = {
+COLLECTIVES = {
   "psum": "axes",
   "psum_invariant": "axes",
   "pmax": "axes",
@@ -154,9 +154,9 @@ _COLLECTIVES = {
 def collective_axes(jaxpr: jex.Jaxpr) -> set[str]:
   """The mesh axes that collectives in `jaxpr` (nested programs too) run over."""
   found: set[str] = set()
-  for sub in _jaxprs(jaxpr):
+  for sub in programs(jaxpr):
     for eqn in sub.eqns:
-      param = _COLLECTIVES.get(eqn.primitive.name)
+      param = COLLECTIVES.get(eqn.primitive.name)
       names = eqn.params.get(param, ()) if param else ()
       found.update((names,) if isinstance(names, str) else names)
   return found

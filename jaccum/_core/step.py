@@ -7,9 +7,12 @@ user's function once, by `jax.make_jaxpr`, on micro-batch 0's shapes: that
 gives the output structure the carry needs, the closed-over arrays (the
 jaxpr's constants), and the program the loop evaluates, rewritten where the
 loop needs it (the data axes out of sharding constraints; on CPU,
-convolutions into XLA's fast layout). `MicroStep` evaluates that program on
-micro-batch k, whole or, for FSDP's sharded modes, with params gathered where
-used and gradients scattered where made.
+convolutions into XLA's fast layout). Inside `data_parallel`'s `shard_map`,
+a function JAX will not trace there (it closes over arrays on an explicit
+mesh) is traced outside it instead and run retyped (`Lift`, `_retype`).
+`MicroStep` evaluates that program on micro-batch k, whole or, for FSDP's
+sharded modes, with params gathered where used and gradients scattered where
+made.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum._core import fsdp, rewrites
+from jaccum._core import fsdp, retype, rewrites
 from jaccum._core.accumulators import check_weight
 from jaccum._core.microbatch import Split, take_microbatch
 
@@ -245,6 +248,8 @@ class MicroStep(NamedTuple):
     weight_shape: `weight_fn`'s result's shape, or None without it.
     gathered: per program input, how it arrives split over devices
       (`"shard_all"` params) or None; gathered where used.
+    hoisted: how many arrays the function closes over come first among the
+      program's inputs (a lifted function: `Lift`), handed in by the loop.
   """
 
   closed: Any
@@ -253,6 +258,7 @@ class MicroStep(NamedTuple):
   out_shape: Any
   weight_shape: Any
   gathered: list[fsdp.Sharded | None]
+  hoisted: int = 0
 
   def __call__(
     self,
@@ -260,14 +266,16 @@ class MicroStep(NamedTuple):
     index: Any,
     scattered: Sequence[fsdp.Sharded | None] | None,
     weight: Any,
+    consts: Sequence[Any] = (),
   ) -> tuple[Any, Any, list[jax.Array]]:
     """`(out, new_state, norms)` on one micro-batch's leaves.
 
     `scattered` says which outputs each micro-step reduce-scatters (FSDP),
     weighted by `weight` before the sum over devices; `norms` are their
-    whole values' squared norms, in order, for the noise scale.
+    whole values' squared norms, in order, for the noise scale. `consts`:
+    the `hoisted` arrays.
     """
-    values = [x for x, d in zip(leaves, self.dynamic, strict=True) if d]
+    values = [*consts, *(x for x, d in zip(leaves, self.dynamic, strict=True) if d)]
     norms: list[jax.Array] = []
     if any(self.gathered) or scattered is not None:
       # Shards tied to the iteration: XLA would hoist a gather of a
@@ -306,19 +314,70 @@ def closures_summed(closed: Any, batch: Any, axes: tuple[str, ...]) -> list[str]
   return invariant if invariant and rewrites.sums_over(closed.jaxpr, axes) else []
 
 
+class Lift(NamedTuple):
+  """How the per-device loop runs a function that cannot be traced inside it.
+
+  Attributes:
+    mesh: the mesh outside the loop's `shard_map`, to trace the function in
+      where it fails inside (`retype.lift`, which raises `retype.Retrace`).
+    outside: once lifted, the micro-step traced outside.
+    consts: its closed-over arrays, as the `shard_map` hands them in.
+  """
+
+  mesh: Any
+  outside: retype.Outside | None = None
+  consts: Sequence[Any] = ()
+
+
+def _traced(
+  micro_step: Callable[..., Any], examples: Sequence[Any], lift: Lift | None
+) -> tuple[Any, Any, int]:
+  """`(program, (out_shape, state_shape), hoisted)` of the micro-step.
+
+  With a `Lift`, a micro-step that fails inside is traced outside and the
+  plan asked to trace again (`retype.Retrace`); then the program traced
+  outside runs retyped, the function not traced again, its `hoisted`
+  closed-over arrays the program's first inputs.
+  """
+  if lift is not None and lift.outside is not None:
+    program = lift.outside.program
+
+    def retyped(consts, *values):
+      try:
+        return program(consts)(*values)
+      except Exception as error:
+        mark_user_error(error)  # the user's program, retyped: fall back as for it
+        raise
+
+    consts = list(lift.consts)
+    closed, shape = jax.make_jaxpr(retyped, return_shape=True)(consts, *examples)
+    return closed, shape, len(consts)
+  try:
+    return *jax.make_jaxpr(micro_step, return_shape=True)(*examples), 0
+  except Exception as error:
+    if lift is None or not is_user_error(error):
+      raise
+    raise retype.Retrace(
+      [retype.lift(micro_step, examples, lift.mesh, error)], error
+    ) from error
+
+
 def trace(
   function: Function,
   inputs: MicroInputs,
   state0: Any,
   weight_fn: Callable[..., Any] | None = None,
   sharded_params: Sequence[fsdp.Sharded | None] = (),
+  lift: Lift | None = None,
 ) -> MicroStep:
   """Traces the function (and `weight_fn`) once on micro-batch 0's shapes.
 
   `sharded_params`, for `"shard_all"`: how each leaf of the params (argument
   0, the call's first leaves) arrives split over devices; the micro-step is
-  traced on whole ones, as the user wrote it. The program is returned as
-  traced: `rewritten` applies the plan's rewrites.
+  traced on whole ones, as the user wrote it. `lift`: inside the per-device
+  loop's `shard_map`, how to run a function that closes over arrays on the
+  mesh (`retype`). The program is returned as traced: `rewritten` applies
+  the plan's rewrites.
   """
   at = inputs.at
   flat, treedef = jax.tree.flatten((inputs.args_at(0, state0), inputs.extras))
@@ -348,17 +407,18 @@ def trace(
     return _check_state_output(out, step_args[at.state])
 
   dynamic_examples = [x for x, d in zip(examples, dynamic, strict=True) if d]
-  closed, (out_shape, _) = jax.make_jaxpr(micro_step, return_shape=True)(
-    *dynamic_examples
-  )
+  closed, (out_shape, _), hoisted = _traced(micro_step, dynamic_examples, lift)
   weight_shape = None
   if weight_fn is not None:
     weight_shape = jax.eval_shape(
       lambda *values: call_weight(weight_fn, unflatten(values)[0]), *dynamic_examples
     )
-  gathered = [h for h, d in zip(how, dynamic, strict=True) if d]
+  gathered: list[fsdp.Sharded | None] = [None] * hoisted
+  gathered += [h for h, d in zip(how, dynamic, strict=True) if d]
   out_tree = jax.tree.structure((out_shape, None if at.state is None else state0))
-  return MicroStep(closed, dynamic, out_tree, out_shape, weight_shape, gathered)
+  return MicroStep(
+    closed, dynamic, out_tree, out_shape, weight_shape, gathered, hoisted
+  )
 
 
 def rewritten(step: MicroStep, rewrites: Sequence[Callable[[Any], Any]]) -> MicroStep:

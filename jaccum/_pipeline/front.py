@@ -14,7 +14,11 @@ Everything runs in one `shard_map` over the stage and data axes, under
 `jit`. `stage_fn` and `loss_fn` are traced once, inside it, into programs
 that the loops run; the traced values they close over (a scale shared by all
 stages, a tied table, the head's weights) are explicit inputs of those
-programs, so their gradients accumulate like the stage parameters'.
+programs, so their gradients accumulate like the stage parameters'. What
+they close over also crosses into the `shard_map` as its inputs (a second
+run of it, `_retype`): JAX does not let a `shard_map` body use an array
+typed on the mesh outside it, and where a function uses one (an explicit
+mesh) it is traced outside the `shard_map` and its program retyped.
 Gradients accumulate in `accum_dtype` (float32) whatever the parameters'
 dtype, and `shard_map`'s transpose sums each over the devices once.
 
@@ -32,6 +36,7 @@ dtype, and `shard_map`'s transpose sums each over the devices once.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -42,6 +47,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
+from jaccum._core import retype as _retype
 from jaccum._core.accumulators import check_accum_dtype
 from jaccum._core.microbatch import check_num_microbatches
 from jaccum._pipeline import backward as _pipeline_backward
@@ -116,17 +122,19 @@ def pipeline(
     2(S − 1 − s) + 1). With V > 1, chunk v (stage v·S + s, 1/V of the
     device's work) keeps 2S for v < (V − 1)/2, 2S − 1 for v = (V − 1)/2 and
     S for v ≥ V/2: S·⌈3V/2⌉ − (V mod 2) chunk residuals in all (8 + 4 for
-    S = 4, V = 2). Needs `loss_fn`; reverse mode only. From K ≈ 2S on: the
-    least compute, or with `remat` the least memory, which does not grow
-    with K.
+    S = 4, V = 2). Needs `loss_fn`; reverse mode only on the loss, though
+    its gradient differentiates again (`jax.hessian`, Hessian-vector
+    products). From K ≈ 2S on: the least compute, or with `remat` the least
+    memory, which does not grow with K.
   - `"zb-h1"`: F + B + W (= F + B), the zero-bubble schedule ZB-H1 of Qi et
     al.: B runs as soon as the next stage's cotangent arrives, W later, in
     ticks where the device would otherwise idle. A device keeps, per
     micro-batch, the residuals B and W need from F to B or W, and what W
     needs of B from B to W: at most S micro-batches at once, whatever K
     (with `remat`: 2F + B + W; the stage input from F to B, and what W needs
-    from B to W). Needs `loss_fn` and V = 1; reverse mode only. The least
-    idle time: 3K + S − 1 ticks of F, B or W for K ≥ S.
+    from B to W). Needs `loss_fn` and V = 1; as `"1f1b"`, reverse mode only
+    on the loss, its gradient differentiable again. The least idle time:
+    3K + S − 1 ticks of F, B or W for K ≥ S.
 
   In lockstep ticks GPipe and 1F1B take (K + S − 1)(F + B); a stage is idle
   for the bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V`
@@ -182,14 +190,15 @@ def pipeline(
     gets no gradient.
 
   Raises:
-    ValueError: an axis or option is unknown, a mesh axis is neither `axis`
-      nor a data axis, a leading size is not the number of stages, N does
-      not split into D × K micro-batches, `stage_fn` changes its input's
-      structure, shape or dtype, `"1f1b"` or `"zb-h1"` has no `loss_fn`, or
-      `"zb-h1"` has V > 1.
-    TypeError: `num_microbatches` or `num_virtual_stages` is not a positive
-      int, `loss_fn` does not return a floating scalar, `targets` is given
-      without `loss_fn`, `rng` is not a key.
+    ValueError: `num_microbatches` or `num_virtual_stages` is below 1, an
+      axis or option is unknown, a mesh axis is neither `axis` nor a data
+      axis, a leading size is not the number of stages, N does not split
+      into D × K micro-batches, `stage_fn` changes its input's structure,
+      shape or dtype, `"1f1b"` or `"zb-h1"` has no `loss_fn`, or `"zb-h1"`
+      has V > 1.
+    TypeError: `num_microbatches` or `num_virtual_stages` is not an int (or
+      is a bool), `loss_fn` does not return a floating scalar, `targets` is
+      given without `loss_fn`, `rng` is not a key.
 
   Examples:
     One stage of `tanh(x @ w)` per device, two micro-batches, against the
@@ -270,10 +279,14 @@ def pipeline(
     layout = _Layout(plan, axis, data_axes, bool(remat), accum, key_impl)
     param_dtypes = jax.tree.map(_dtype, params)
 
-    def local(params, x, targets, key, state):
+    def local(lifted, params, x, targets, key, state, *consts):
       params, state = _local_chunks(params), _local_chunks(state)
       stage, head = _trace_user_functions(
-        stage_fn, loss_fn, (params, param_dtypes, x, targets, key, state), layout
+        stage_fn,
+        loss_fn,
+        (params, param_dtypes, x, targets, key, state),
+        layout,
+        _Lift(mesh, lifted, consts),
       )
       args = _Args(
         params=params,
@@ -302,17 +315,8 @@ def pipeline(
     # summed inside, its cotangent would reach the backward through a psum,
     # and XLA could not fold away a multiplication by 1.
     out_spec = _batch_spec(layout) if loss_fn is None else P(layout.all_axes)
-    # jit: JAX's eager shard_map cannot differentiate a custom VJP inside it.
-    sharded = jax.jit(
-      jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=specs,
-        out_specs=(out_spec, specs[-1]),
-        check_vma=False,
-      )
-    )
-    out, new_state = sharded(*_placed(mesh, specs, inputs))
+
+    out, new_state = _sharded(local, mesh, specs, (out_spec, specs[-1]), inputs)
     if loss_fn is not None:
       out = jnp.sum(out)
     if state is None:
@@ -320,6 +324,39 @@ def pipeline(
     return out, _unstack_chunks(new_state, ticks)
 
   return apply
+
+
+def _sharded(
+  local: Callable[..., Any],
+  mesh: Any,
+  specs: tuple[P, ...],
+  out_specs: Any,
+  inputs: tuple[Any, ...],
+) -> Any:
+  """`local(lifted, *inputs)` on every device, under a jitted `shard_map`.
+
+  Run again where the first run asks (`_retype.Retrace`), with what the
+  user's functions close over as more inputs, whole on every device.
+  """
+
+  def run(lifted, consts=()):
+    in_specs = (*specs, *[P()] * len(consts))
+    # jit: JAX's eager shard_map cannot differentiate a custom VJP inside it.
+    sharded = jax.jit(
+      jax.shard_map(
+        functools.partial(local, lifted),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+      )
+    )
+    return sharded(*_placed(mesh, in_specs, (*inputs, *consts)))
+
+  try:
+    return run(None)
+  except _retype.Retrace as retrace:
+    return run(retrace.outside, [c for o in retrace.outside for c in o.consts])
 
 
 class _Layout(NamedTuple):
@@ -420,10 +457,49 @@ class _Traced(NamedTuple):
     return jax.tree.unflatten(self.out_tree, program(*jax.tree.leaves(args)))
 
 
-def _trace(fn: Callable[..., Any], *example: Any) -> tuple[_Traced, Any]:
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+class _Lift(NamedTuple):
+  """How the user's functions are traced, on the first run of the `shard_map`
+  (`lifted` None) or on the second, with what they close over as inputs.
+
+  Attributes:
+    mesh: the pipeline's mesh, to trace a function in where it fails inside.
+    lifted: on the second run, the functions as the first traced them.
+    consts: their closed-over arrays, as `shard_map` hands them in.
+  """
+
+  mesh: Any
+  lifted: list[_retype.Outside] | None
+  consts: Sequence[Any]
+
+
+def _trace(
+  fn: Callable[..., Any], example: Sequence[Any], lift: _Lift, index: int
+) -> tuple[_Traced | None, Any, _retype.Outside]:
+  """`fn` (the `index`th of the user's functions) traced on `example`.
+
+  Returns `(traced, out_shape, outside)`. On the first run `fn` is traced
+  inside `shard_map`, or where that fails (it closes over arrays on an
+  explicit mesh), outside it (`_retype.lift`; `traced` is then None);
+  `outside` holds what it closes over. On the second, the first run's
+  program runs retyped with those as `lift.consts`, `fn` not traced again.
+  """
+  if lift.lifted is not None:
+    outside = lift.lifted[index]
+    before = sum(len(o.hoisted) for o in lift.lifted[:index])
+    fn = outside.program(lift.consts[before : before + len(outside.hoisted)])
+  try:
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example)
+  except Exception as error:
+    if lift.lifted is not None:
+      raise
+    outside = _retype.lift(fn, example, lift.mesh, error)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outside.closed.out_avals]
+    return None, jax.tree.unflatten(outside.out_tree, shapes), outside
   hoisted = tuple(i for i, c in enumerate(closed.consts) if isinstance(c, Tracer))
-  return _Traced(closed, hoisted, jax.tree.structure(out_shape)), out_shape
+  out_tree = jax.tree.structure(out_shape)
+  lifted = tuple(i for i, c in enumerate(closed.consts) if _retype.is_hoisted(c))
+  traced = _Traced(closed, hoisted, out_tree)
+  return traced, out_shape, _retype.Outside(closed, lifted, out_tree)
 
 
 def _trace_user_functions(
@@ -431,13 +507,15 @@ def _trace_user_functions(
   loss_fn: Callable[..., Any] | None,
   inputs: tuple[Any, ...],
   layout: _Layout,
+  lift: _Lift,
 ) -> tuple[_Traced, _Traced | None]:
   """Traces `stage_fn` as `(params, x, key, state) -> (y, state)`, and `loss_fn`.
 
   Inside `shard_map`, on what one device holds (`inputs`: its chunks' params,
   their dtypes, its rows of x and targets, the key as data, its state): the
-  programs then have the device's types, and what the functions close over
-  is passed into `shard_map` replicated.
+  programs then have the device's types. What the functions close over
+  (arrays, values traced outside) crosses into `shard_map` as inputs: the
+  first run raises `_retype.Retrace` with it, the second gets it (`lift`).
   """
   params, param_dtypes, x, targets, key, state = inputs
 
@@ -466,13 +544,22 @@ def _trace_user_functions(
   key = layout.wrap_key(key)
   key = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
   example = (per_stage(params, param_dtypes), micro(x), key, per_stage(state))
-  stage, (y, new_state) = _trace(stage_call, *example)
+  stage, (y, new_state), stage_outside = _trace(stage_call, example, lift, 0)
   _check_stage_output(micro(x), y)
   if state is not None:
     _check_new_state(per_stage(state), new_state)
-  if loss_fn is None:
-    return stage, None
-  head, value = _trace(loss_fn, micro(x), micro(targets))
+  outsides, head = [stage_outside], None
+  if loss_fn is not None:
+    head, value, head_outside = _trace(loss_fn, (micro(x), micro(targets)), lift, 1)
+    outsides.append(head_outside)
+    _check_loss(value)
+  if lift.lifted is None and any(o.hoisted for o in outsides):
+    raise _retype.Retrace(outsides, None)
+  assert stage is not None and (head is not None or loss_fn is None)
+  return stage, head
+
+
+def _check_loss(value: Any) -> None:
   if not (
     isinstance(value, jax.ShapeDtypeStruct)
     and value.shape == ()
@@ -482,7 +569,6 @@ def _trace_user_functions(
       "loss_fn must return a floating scalar, the loss of one micro-batch; "
       f"got {value}."
     )
-  return stage, head
 
 
 # --- GPipe: the forward loop, differentiated by JAX ------------------------------

@@ -174,8 +174,9 @@ def pipeline_schedule(
 
   Raises:
     TypeError: `num_stages`, `num_microbatches` or `num_virtual_stages` is
-      not a positive int.
-    ValueError: `schedule` is unknown, or `"zb-h1"` has V > 1.
+      not an int (or is a bool).
+    ValueError: `num_stages`, `num_microbatches` or `num_virtual_stages` is
+      below 1, `schedule` is unknown, or `"zb-h1"` has V > 1.
 
   Examples:
     >>> import jaccum
@@ -214,12 +215,18 @@ def check_schedule(schedule: Any, num_chunks: int) -> None:
 
 
 def check_positive_int(value: Any, name: str) -> int:
+  """`value` as an int: a TypeError if it is not one, a ValueError below 1.
+
+  The errors of `check_num_microbatches`, for the other counts.
+  """
   try:
     number = operator.index(value)
   except TypeError:
     number = None
-  if number is None or isinstance(value, bool | np.bool_) or number < 1:
+  if number is None or isinstance(value, bool | np.bool_):
     raise TypeError(f"{name} must be a positive int, got {value!r}.")
+  if number < 1:
+    raise ValueError(f"{name} must be a positive int, got {number}.")
   return number
 
 

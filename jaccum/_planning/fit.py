@@ -18,6 +18,7 @@ import numpy as np
 
 from jaccum._core.rewrites import spec_axes
 from jaccum._routes.accumulate import accumulate, data_parallel
+from jaccum._routes.options import check_mesh_axes
 
 if TYPE_CHECKING:
   from jaccum.inspect import MemoryStats
@@ -220,8 +221,7 @@ def _num_shards(options: dict[str, Any], args: Sequence[Any], argnum: int) -> in
       "fit_microbatches with data_parallel options needs a mesh: pass mesh=..., "
       "call it under jax.set_mesh(mesh), or pass a batch sharded over the mesh."
     )
-  if missing := [a for a in axes if a not in mesh.axis_names]:
-    raise ValueError(f"axis={axis!r} names {missing}, not axes of the mesh {mesh}.")
+  check_mesh_axes(axes, mesh)
   return math.prod(mesh.shape[a] for a in axes)
 
 

@@ -21,10 +21,11 @@ compilations where the monotony holds.
 
 The cost model is blind to what a backend's kernels do with the size of a
 micro-batch (caches, kernel choice, per-kernel overhead). With `measure=`,
-the step is then timed on the device: points spread over the grid among
-those the model ranks near its choice, then the neighbours of the fastest
-measured, in interleaved rounds within a time bound (`_timing`), and the
-plan is the fastest measured.
+the step is then timed on the device: the model's choice first (the search
+compiled it), then points spread over the grid among those the model ranks
+near its choice, then the neighbours of the fastest measured, in interleaved
+rounds within a time bound (`_timing`), and the plan is the fastest
+measured.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import dataclasses
 import functools
 import numbers
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -221,10 +223,13 @@ class Plan(NamedTuple):
     options: the options of `accumulate` or `data_parallel` the step gets
       (`fsdp_mode` included where one was chosen).
     measured_seconds: with `measure=`, the chosen step's median measured
-      time (None without, or where nothing could be timed in the bound).
+      time (None without, or where nothing could be timed in the bound:
+      `fit_plan` then warns).
     measure_seconds: the time bound given as `measure=`, or None.
     measure_spent_seconds: the time measuring took (compiling the points it
-      timed that the search had not compiled, and running them).
+      timed that the search had not compiled, and running them): within
+      `measure_seconds` but for the last thing it started (a batch of
+      compilations or a round) taking longer than any of its kind before.
     model_choice: `(K, remat, fsdp_mode)` that the cost model chose, before
       any measurement.
 
@@ -796,11 +801,11 @@ def _neighbours(search: _Search, point: Point) -> list[Point]:
 
 
 def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Point]:
-  """Times points near the model's choice, then the fastest's neighbours.
+  """Times the model's choice, points near it, then the fastest's neighbours.
 
-  First the points of `_spread`, then, while time is left and the fastest
-  measured changes, its neighbours beside it; each
-  group for MEASURE_ROUNDS interleaved rounds. A point not yet compiled is
+  First the model's choice alone, then the points of `_spread`, then, while
+  time is left and the fastest measured changes, its neighbours beside it;
+  each group for MEASURE_ROUNDS interleaved rounds. A point not yet compiled is
   compiled first (within the bound); one over the budget is never run.
   """
   timer: _timing.Timer[Point] = _timing.Timer(
@@ -822,8 +827,12 @@ def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Poi
           entered.append(point)
     return entered
 
+  # The model's choice first: the search compiled it, so timing it costs
+  # only its runs, and a bound too short to compile more still times it.
+  timer.race(enter([best]), MEASURE_ROUNDS)
   tried = set(first := _first_points(search, timer, best))
-  timer.race(enter(first), MEASURE_ROUNDS)
+  if len(first) > 1:
+    timer.race(enter(first), MEASURE_ROUNDS)
   while not timer.cut_short and (incumbent := timer.fastest()) is not None:
     new = [p for p in _neighbours(search, incumbent) if p not in tried]
     if not new:
@@ -833,6 +842,22 @@ def _measured(search: _Search, best: Point, seconds: float) -> _timing.Timer[Poi
       timer.race([incumbent, *entered], MEASURE_ROUNDS)
   _final_race(timer)
   return timer
+
+
+def _timed_nothing(search: _Search, best: Point, timer: _timing.Timer[Point]) -> str:
+  """The warning when `measure=` timed no step: what timing the choice needs."""
+  predicted = search.points[best].predicted_seconds
+  first = timer.first.get(best, timer.first_call_estimate(predicted))
+  need = first * (1 + MEASURE_ROUNDS)
+  return (
+    f"fit_plan(measure={timer.seconds:g}) timed no step in {timer.elapsed():.3g} "
+    f"s: timing the cost model's choice ({_describe(search.key(best))}, "
+    f"predicted {_ms(predicted)}) needs about {need:.3g} s, a first call of "
+    f"{first:.3g} s{'' if best in timer.first else ' as judged'} and "
+    f"{MEASURE_ROUNDS} rounds. The plan is the cost model's choice, unmeasured "
+    f"(plan.measured_seconds is None): pass measure={need:.3g} or more to time "
+    "it, or leave measure out."
+  )
 
 
 def _final_race(timer: _timing.Timer[Point]) -> None:
@@ -943,16 +968,20 @@ def fit_plan(
       (small programs of its own, never the step).
     measure: a time bound in seconds to time steps on the device and choose
       by the clock, or None (the default) to choose by the cost model
-      alone. It times points spread over the grid (K, policy, mode) among
-      those the model predicts within 2x of its choice (at most 6, its
-      choice first, each next the farthest from those picked), then the
-      neighbours of
+      alone. It times the model's choice first (compiled by the search, it
+      costs only its runs), then points spread over the grid (K, policy,
+      mode) among those the model predicts within 2x of its choice (at most
+      6, each next the farthest from those picked), then the neighbours of
       the fastest measured (the next K either way, the other policies and
       modes at its K) while that changes, in interleaved rounds (3 per
       group, then 6 more for those within 10% of the fastest, the median of
-      all counts), compiling those the search had not; it
-      starts nothing that the time left does not cover (see `Plan` for what
-      it spent), and chooses the least median timed. The default runs
+      all counts), compiling those the search had not; it starts nothing
+      (a batch of compilations, a first call, a round) that the time left
+      does not cover, judged by the longest of its kind so far as it ran
+      (see `Plan` for what it spent), and chooses the least median timed.
+      Where the bound is too short to time even the model's choice, it
+      warns, naming the bound that would, and the plan is the model's
+      choice with `measured_seconds` None. The default runs
       nothing, because choosing by the clock costs what the model's choice
       does not: it needs the arguments as arrays on the device (not
       `jax.ShapeDtypeStruct` objects, nor a plan made before the model is
@@ -1030,4 +1059,6 @@ def fit_plan(
     raise _nothing_fits(search)
   timer = None if seconds is None else _measured(search, best, seconds)
   fastest = timer.fastest() if timer else None
+  if timer is not None and fastest is None:
+    warnings.warn(_timed_nothing(search, best, timer), stacklevel=2)
   return _plan_of(search, fastest or best, best, timer)

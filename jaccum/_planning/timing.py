@@ -3,14 +3,14 @@
 `fit_plan(..., measure=seconds)` times its best candidates here. A shared
 machine's load comes in bursts, so each round runs every step once, in an
 order rotated from round to round, and a step's figure is the median of its
-rounds. The bound is kept by looking ahead: a compilation, a first call or a
-round starts only if the time left covers it, judged by the longest such
-thing seen so far.
+rounds. The bound is kept by looking ahead: a batch of compilations, a first
+call or a round starts only if the time left covers it, judged by the longest
+such thing seen so far as it really ran; only the last thing started can pass
+the bound, by what it took beyond that.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -31,16 +31,18 @@ KeyT = TypeVar("KeyT", bound=Hashable)
 class Timer(Generic[KeyT]):
   """Compiles and times steps within `seconds`, in interleaved rounds.
 
-  Each thing starts only if the time left covers its estimate: a
-  compilation, the longest compilation seen so far; a step's first call
-  (its warm-up, not counted), its predicted seconds times the largest ratio
-  of measured to predicted seen so far, and at least `FIRST_CALL_MARGIN`
-  times; a round, the sum of each step's longest call so far. The time spent
-  stays within the bound as long as nothing takes longer than that.
+  Each thing starts only if the time left covers its estimate: a batch of
+  compilations side by side, the longest batch seen so far; a step's first
+  call (its warm-up, not counted), its predicted seconds times the largest
+  ratio of measured to predicted seen so far, and at least
+  `FIRST_CALL_MARGIN` times; a round, the sum of each step's longest call
+  so far. The time spent stays within the bound as long as nothing takes
+  longer than that.
 
   Attributes:
     seconds: the time bound.
-    longest_compile: the longest compilation seen, in seconds.
+    longest_compile: the longest batch of compilations seen, in seconds
+      (to start with, the longest compilation seen before the timer).
     first: `{key: seconds}` of each step's first call.
     rounds: `{key: [seconds, ...]}` of each step's timed rounds.
     rounds_run: the rounds run, all steps together.
@@ -82,22 +84,21 @@ class Timer(Generic[KeyT]):
   def compile(self, builds: Sequence[Callable[[], Any]], workers: int = 1) -> list[Any]:
     """The results of as many `builds` as the time left covers, in order.
 
-    They run `workers` at a time (XLA compiles outside Python's lock), so
-    `n` of them are judged to take ceil(n / workers) compilations.
+    They run in batches of `workers` side by side (XLA compiles outside
+    Python's lock). A batch starts only if the time left covers the longest
+    batch so far, measured as it ran (side by side on a busy machine, a
+    batch can take as long as its builds one after another): so only the
+    batch that takes longer than any before it can pass the bound.
     """
     workers = max(1, workers)
-    count = 0
-    while count < len(builds) and self._covers(
-      self.longest_compile * math.ceil((count + 1) / workers)
-    ):
-      count += 1
-    if not count:
-      return []
-    start = self._clock()
-    with futures.ThreadPoolExecutor(min(workers, count)) as pool:
-      results = list(pool.map(lambda build: build(), builds[:count]))
-    batches = math.ceil(count / workers)
-    self.longest_compile = max(self.longest_compile, (self._clock() - start) / batches)
+    results: list[Any] = []
+    with futures.ThreadPoolExecutor(workers) as pool:
+      for first in range(0, len(builds), workers):
+        if not self._covers(self.longest_compile):
+          break
+        start = self._clock()
+        results += pool.map(lambda build: build(), builds[first : first + workers])
+        self.longest_compile = max(self.longest_compile, self._clock() - start)
     return results
 
   def _ratio(self) -> float:
@@ -108,6 +109,10 @@ class Timer(Generic[KeyT]):
     ]
     return max([FIRST_CALL_MARGIN, *ratios])
 
+  def first_call_estimate(self, predicted: float) -> float:
+    """What a step's first call is judged to take, from its predicted time."""
+    return predicted * self._ratio()
+
   def add(self, key: KeyT, call: Callable[[], Any], predicted: float) -> bool:
     """Runs `call` once as its warm-up if that fits in the time left.
 
@@ -115,7 +120,7 @@ class Timer(Generic[KeyT]):
     """
     if key in self._calls:
       return True
-    if not self._covers(predicted * self._ratio()):
+    if not self._covers(self.first_call_estimate(predicted)):
       return False
     self.first[key] = self._time(call)
     self._calls[key] = call

@@ -151,7 +151,8 @@ def accumulate(
       enters the backward pass), then one all-reduce combines the devices:
       weighted means with weights summed over devices, sums, maxima. The
       `pmean` of gradients a `pmap` train step usually has becomes redundant;
-      drop it. `"concat"` and `"last"` leaves stay per device. Threaded
+      drop it. `"concat"` and `"last"` leaves stay per device (`"last"`
+      with `deterministic=True`: the global last micro-batch's). Threaded
       floating state is averaged over devices, other state takes device 0's
       value. Inside a `shard_map` that checks types, arrays reached by
       closure are the same on every device and JAX sums their gradients in
@@ -193,7 +194,10 @@ def accumulate(
       `jnp.bfloat16`: half the bytes of float32): each device's accumulator
       is cast for it and summed back into its own dtype, so only the reduced
       mean is rounded, never the running sum. None sends the accumulator's
-      dtype. See the data-parallel guide for the measured error.
+      dtype. See the data-parallel guide for the measured error. XLA:CPU
+      sums bf16 in float32: on a mesh with axes besides the data axes the
+      program handed to it sends float32 of the rounded shares (the bf16 form
+      aborts its compiler there); GPUs and TPUs get the bf16 wire.
     reduce_fn: replaces the reduction of the gradient leaves:
       `reduce_fn(grads, axes, state) -> (reduced, new_state)`, called once per
       step with each device's share of the gradients (shares that sum over
@@ -213,8 +217,13 @@ def accumulate(
       error against the exact sum of the float terms is below n·2^-32 times
       the leaf's largest term plus 1.5 ulp (float32; the guide
       "Reproducible and elastic accumulation" has the measured accuracy and
-      cost: 3 int32 per element in the carry and on the wire). A non-finite
-      term makes its whole leaf NaN. Not with `split="strided"`, a
+      cost: 3 int32 per element in the carry and on the wire), over
+      float32's whole normal range (weights too); a term of zeros (a padding
+      micro-batch) changes no bit. A non-finite term makes its whole leaf
+      NaN. It differentiates as a sum (`jax.grad` of a gradient penalty).
+      `"last"` leaves are those of the global order's last micro-batch (the
+      last that ran, with a count), the same on every device. Not with
+      `split="strided"`, a
       `state_argnum` state holding arrays, `reduce_fn`, `reduce_dtype`,
       FSDP's in-loop modes, or more than 2¹⁵ - 1 micro-batches over all
       devices (a ValueError names both options).
@@ -224,7 +233,10 @@ def accumulate(
     with `return_stats`, it returns `(result, stats)`. It also takes the
     keyword `num_real_microbatches=n` (as optax's `microbatch` does): K is
     then the batch's capacity, and only micro-batches 0..n-1 in split order
-    run (the first n·N/K rows with `split="contiguous"`), in a while loop
+    run (the first n·N/K rows with `split="contiguous"`, for a batch padded
+    at its end; rows k, k + K, … for k < n with `split="strided"`: name the
+    split, a count without one is a ValueError unless `deterministic=True`
+    splits contiguously), in a while loop
     that skips the rest rather than masking them; one compilation serves
     every n. Means divide by what ran (or by its weights), `"sum"`, `"max"`,
     `"min"` and threaded state see only the real micro-batches, `"last"` is

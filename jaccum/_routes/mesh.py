@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaccum._core import accumulators, fsdp, loop, reduction, stats
+from jaccum._core import accumulators, fsdp, loop, reduction, rewrites, stats, step
 from jaccum._core.accumulators import Finish
 from jaccum._core.step import Function, Positions
 from jaccum._routes import arguments, placement
+from jaccum._routes.options import check_mesh_axes
 
 P = jax.sharding.PartitionSpec
 AxisType = jax.sharding.AxisType
@@ -83,6 +84,10 @@ class PerDevice:
       explicit axes (the unsharded call's meaning is owed).
     call: the call's arguments, `(args, kwargs, bound_args, bound_kwargs)`.
     placed: its arrays laid out for the loop, and `in_specs` their specs.
+    outside: where the function could only be traced outside the loop's
+      `shard_map` (it closes over arrays on an explicit mesh), that program
+      (`retype.Outside`), whose closed-over arrays (`consts`, laid out) cross
+      into the loop as inputs.
   """
 
   mesh: Any
@@ -97,6 +102,8 @@ class PerDevice:
   call: Any
   placed: list[Any]
   in_specs: list[P]
+  outside: Any = None
+  consts: tuple[Any, ...] = ()
 
   on_devices = True
   count_varies = False  # a count per device is one of shape [devices]
@@ -119,8 +126,28 @@ class PerDevice:
     per_device = 0 if self.sharded_by_accumulate else self.devices
     return arguments.check_count(count, num_microbatches, per_device)
 
+  def lift(self, consts: Any) -> step.Lift:
+    """How the step is traced here: where it fails inside the `shard_map`, outside
+    it (`retype`); once lifted, its closed-over arrays arrive as `consts`."""
+    return step.Lift(self.mesh, self.outside, consts)
+
+  def lifted(self, outside: Any) -> PerDevice:
+    """This route, running `outside`'s program with its closed-over arrays as
+    inputs, whole on every device of the data axes (as the params are)."""
+    consts = tuple(
+      placement.place(
+        c,
+        self.mesh,
+        rewrites.without_axes(arguments.spec_of(c) or P(), self.axes),
+        self.explicit,
+      )
+      for c in outside.consts
+    )
+    return dataclasses.replace(self, outside=outside, consts=consts)
+
   def _inputs(self, count: Any) -> tuple[list[Any], list[P]]:
-    """The loop's inputs and their specs: the call's arrays and the count."""
+    """The loop's inputs and their specs: the call's arrays, the count, then a
+    lifted function's closed-over arrays."""
     placed, in_specs = list(self.placed), list(self.in_specs)
     if count is not None:
       # Laid out as the loop reads it: on an explicit mesh a count per device
@@ -128,7 +155,7 @@ class PerDevice:
       spec = P(self.axes) if np.ndim(count) == 1 else P()
       in_specs.append(spec)
       placed.append(placement.place(count, self.mesh, spec, self.explicit))
-    return placed, in_specs
+    return [*placed, *self.consts], [*in_specs, *[P()] * len(self.consts)]
 
   def _on_each_device(
     self, function: Function, count: Any, body: Callable[..., Any]
@@ -137,13 +164,15 @@ class PerDevice:
     placed, in_specs = self._inputs(count)
 
     def per_device(*arrays):
+      split = len(arrays) - len(self.consts)
+      arrays, consts = list(arrays[:split]), arrays[split:]
       local_count = None
       if count is not None:
         *arrays, local_count = arrays
         local_count = jnp.reshape(local_count, (-1,))[0]
       args, kwargs, bound_args, bound_kwargs = placement.refill(self.call, arrays)
       local = function.with_bound(bound_args, bound_kwargs)
-      return body(local, list(args), kwargs, local_count)
+      return body(local, list(args), kwargs, local_count, consts)
 
     return per_device, placed, in_specs
 
@@ -175,8 +204,8 @@ class PerDevice:
   def run(self, plan: Any, call: Any) -> Any:
     """Every device's loop, the reduction, the result as global arrays."""
 
-    def loop_body(function, args, kwargs, local_count):
-      carry = loop.run(plan.loop, function, args, kwargs, local_count)
+    def loop_body(function, args, kwargs, local_count, consts):
+      carry = loop.run(plan.loop, function, args, kwargs, local_count, consts)
       # Each device's carry, stacked over the devices: nothing moves.
       return jax.tree.map(
         lambda x: jnp.asarray(x)[None],
@@ -230,7 +259,7 @@ def _reduced(route: PerDevice, plan: Any, stacked: Any, call: Any) -> Any:
   accs = plan.loop.accumulators
   layout = plan.layout
 
-  def reduce_body(acc, total, state, sums, reduce_state):
+  def reduce_body(acc, total, state, sums, reduce_state, ran):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
     combined = reduction.over_devices(
       plan.reduction,
@@ -240,6 +269,7 @@ def _reduced(route: PerDevice, plan: Any, stacked: Any, call: Any) -> Any:
       first(state),
       list(first(sums) or ()),
       reduce_state,
+      ran[0],
     )
     how = accumulators.finishing(
       None if combined.total is not None else plan.reduction.num_terms, None
@@ -265,7 +295,7 @@ def _reduced(route: PerDevice, plan: Any, stacked: Any, call: Any) -> Any:
   reduced = jitted_shard_map(
     reduce_body,
     mesh=route.mesh,
-    in_specs=(axes, axes, axes, axes, axes),
+    in_specs=(axes, axes, axes, axes, axes, axes),
     out_specs=(result_specs, P(), P(), axes),
     axis_names=set(route.axes),
   )
@@ -274,7 +304,11 @@ def _reduced(route: PerDevice, plan: Any, stacked: Any, call: Any) -> Any:
     lambda x: placement.place(x, route.mesh, axes, route.explicit), call.reduce_state
   )
   acc, total, state, sums = stacked
-  return reduced(acc, total, state, sums, reduce_state)
+  # Which devices ran a micro-batch: who holds the global last one.
+  ran = True if plan.count is None else jnp.asarray(plan.count) > 0
+  ran = jnp.broadcast_to(ran, (route.devices,))
+  ran = placement.place(ran, route.mesh, axes, route.explicit)
+  return reduced(acc, total, state, sums, reduce_state, ran)
 
 
 def _typed_as_params(result: Any, plan: Any, route: PerDevice) -> Any:
@@ -365,7 +399,7 @@ def first_last_path(accs: Any) -> str | None:
   """Where the first `"last"` leaf sits in the output, or None."""
   flat = jax.tree_util.tree_flatten_with_path(accs, is_leaf=accumulators.is_accumulator)
   for path, acc in flat[0]:
-    if acc.mode == "last":
+    if acc.mode == "last" and acc.per_example:
       return jax.tree_util.keystr(path)
   return None
 
@@ -375,9 +409,7 @@ def check_mesh_and_batch(
 ) -> tuple[int, int, bool]:
   """`(devices, rows, explicit)`: the mesh names the axes, the batch splits into
   devices × K micro-batches of equal rows."""
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"axis={axes} names {missing}, not axes of the mesh {mesh}.")
+  check_mesh_axes(axes, mesh)
   devices = math.prod(mesh.shape[a] for a in axes)
   num_microbatches = options.num_microbatches
   batch_size = arguments.check_batch_size(options, at, args)

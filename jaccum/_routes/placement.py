@@ -9,7 +9,8 @@ the data axes, FSDP params as their specs say, everything else whole.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 from jaccum._core import fsdp
 from jaccum._core.rewrites import spec_axes, without_axes
 from jaccum._core.step import ARRAY_TYPES, Function, Positions
+from jaccum._routes import wrappers
 from jaccum._routes.arguments import spec_of
 
 P = jax.sharding.PartitionSpec
@@ -227,3 +229,41 @@ def placed_call(
     keep_sharded=keep_sharded,
   )
   return call, placed, in_specs
+
+
+def warn_unsplit_axes(wrapper: str, named: Collection[str], mesh: Any) -> None:
+  """Warns when the params name mesh axes and leave out an auto one (`mesh=` not given).
+
+  Without `mesh=`, `jaccum.nnx` and `jaccum.linen` run as `accumulate` does:
+  on an auto mesh the loop is the whole batch's step, partitioned by XLA, so
+  a batch split over an axis no param names (the tutorials' `"batch"`) gets
+  its gradients all-reduced over it in every micro-step. Not for a model
+  without sharding metadata (`named` empty), an axis of one device, or a
+  mesh whose every axis a param names (tensor parallelism alone).
+  """
+  if (
+    mesh is None
+    or getattr(mesh, "empty", True)
+    or not set(named) & set(mesh.axis_names)
+  ):
+    return
+  unnamed = [
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if name not in named and mesh.shape[name] > 1 and kind == jax.sharding.AxisType.Auto
+  ]
+  if not unnamed:
+    return
+  axis = unnamed[0] if len(unnamed) == 1 else tuple(unnamed)
+  warnings.warn(
+    f"{wrapper}: the params are sharded over the mesh axes "
+    f"{sorted(set(named) & set(mesh.axis_names))} (their sharding metadata), and "
+    f"the mesh {dict(mesh.shape)} also has {axis!r}, which no param names: "
+    f"likely the batch's axis. Without mesh=, the micro-batches run as the whole "
+    f"batch's step does, partitioned by XLA over {axis!r}, which all-reduces the "
+    f"gradients over it in every micro-step (1.65x slower on Flax's miniGPT "
+    f"tutorial). Pass mesh=<the mesh>, axis={axis!r} to run each device over "
+    f"its own rows with one reduction after the loop (the params keep their "
+    f"sharding), or name the batch's axes in axis= if they are others.",
+    stacklevel=wrappers.user_stacklevel(),
+  )

@@ -17,6 +17,7 @@ wire is the integer psum), and the division rewrite of the traced step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ from jaccum._core import (
   accumulators,
   loop,
   reduction,
+  retype,
   rewrites,
   stats,
   step,
@@ -128,22 +130,15 @@ def make(options: Options, call: Call) -> Plan:
   except Exception as error:
     if not isinstance(route, mesh.PerDevice) or not step.is_user_error(error):
       raise  # jaccum's own: the options or the output are wrong either way
-    if call.count is not None or options.reduce_fn is not None:
-      named = [("num_real_microbatches", call.count), ("reduce_fn", options.reduce_fn)]
-      given = [name for name, value in named if value is not None]
-      raise ValueError(
-        f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} the "
-        "per-device loop, which cannot run grad_fn here "
-        f"(without it the step would run as the whole batch does): "
-        f"{type(error).__name__}: {error}"
-      ) from error
     whole = routes.whole_batch(options, at, call, route, error)
-    try:
-      plan = _planned(options, call, at, whole)
-    except Exception as whole_batch_error:
-      raise whole_batch_error from error
-    routes.warn_whole_batch(whole)
-    return plan
+  if whole.reordered:  # each device's contiguous micro-batch k, strided
+    options = options.replace(split="strided")
+  try:
+    plan = _planned(options, call, at, whole)
+  except Exception as whole_batch_error:
+    raise whole_batch_error from whole.cause
+  routes.warn_whole_batch(whole)
+  return plan
 
 
 def local_loop(
@@ -189,25 +184,38 @@ def _closures(closed: Any, names: Sequence[str], axes: tuple[str, ...]) -> None:
 
 def _traced(
   options: Options, call: Call, route: Any, inputs: loop.Inputs, count: Any
-) -> step.MicroStep:
-  """The user's function traced where the loop runs it, on micro-batch 0."""
+) -> tuple[Any, step.MicroStep]:
+  """The user's function traced where the loop runs it, on micro-batch 0, and
+  the route (lifted where the function could only be traced outside it)."""
   at, axes = inputs.at, route.axes
   sharded = route.fsdp.params if route.fsdp is not None else ()
 
-  def trace_here(function, args, kwargs, local_count):
+  def trace_here(route, function, args, kwargs, local_count, consts):
     prepared = inputs(function, args, kwargs, local_count)
     state0 = None if at.state is None else prepared.args[at.state]
-    traced = step.trace(function, prepared, state0, options.weight_fn, sharded)
+    lift = route.lift(consts)
+    traced = step.trace(function, prepared, state0, options.weight_fn, sharded, lift)
     closures = []
     if axes is not None:
       batch = [prepared.args[i] for i in at.batch]
       closures = step.closures_summed(traced.closed, batch, axes)
     return traced, closures
 
-  traced, closures = route.in_context(options.function, call, count, trace_here)
+  here = lambda route: functools.partial(trace_here, route)
+  try:
+    traced, closures = route.in_context(options.function, call, count, here(route))
+  except retype.Retrace as retrace:
+    ((outside,), cause) = retrace.outside, retrace.cause
+    route = route.lifted(outside)
+    try:
+      traced, closures = route.in_context(options.function, call, count, here(route))
+    except Exception as error:
+      if step.is_user_error(error) and cause is not None:
+        raise cause from error  # what the whole batch's route names
+      raise
   if closures:
     _closures(traced.closed, closures, axes)
-  return traced
+  return route, traced
 
 
 def _scattered_in_loop(
@@ -239,8 +247,14 @@ def _planned(options: Options, call: Call, at: step.Positions, route: Any) -> Pl
   sharded_mode = None
   if route.fsdp is not None:
     sharded_mode = "shard_all" if any(route.fsdp.params) else "shard_grads"
+  whole_batch = None
+  if isinstance(route, routes.WholeBatch) and route.cause is not None:
+    cause = route.cause
+    fix = routes.cause_and_fix(cause, route.axes_of_batch)
+    whole_batch = (routes.failures(cause), fix)
   facts = rules.Facts(
     options,
+    whole_batch=whole_batch,
     devices=route.devices,
     on_devices=route.on_devices,
     sharded_by_accumulate=route.sharded_by_accumulate,
@@ -254,7 +268,7 @@ def _planned(options: Options, call: Call, at: step.Positions, route: Any) -> Pl
   inputs = loop.Inputs(
     at, (num_microbatches, options.split), route.rows, route.axes, exact, count_varies
   )
-  traced = _traced(options, call, route, inputs, count)
+  route, traced = _traced(options, call, route, inputs, count)
   traced = step.rewritten(traced, _rewrites(options, route.axes, exact))
   return _from_step(options, call, at, route, inputs, traced, count, facts)
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaccum._core import accumulators, fsdp, loop, reduction, stats, step
 from jaccum._core.step import ARRAY_TYPES, Function, Positions
-from jaccum._routes import arguments, mesh, placement
+from jaccum._routes import arguments, mesh, placement, wrappers
 from jaccum._routes.options import Mesh
 
 P = jax.sharding.PartitionSpec
@@ -40,8 +40,9 @@ def _finished(plan: Any, carry: loop.Carry, call: Any) -> Any:
   state, sums, done, reduce_state = carry.state, list(carry.stats or ()), None, None
   acc = carry.acc
   if plan.reduction is not None:
+    ran = True if plan.count is None else plan.count > 0
     combined = reduction.over_devices(
-      plan.reduction, accs, acc, weights, state, sums, call.reduce_state
+      plan.reduction, accs, acc, weights, state, sums, call.reduce_state, ran
     )
     acc, total, state, sums = (
       combined.acc,
@@ -93,8 +94,12 @@ class OneDevice:
   def in_context(
     self, function: Function, call: Any, count: Any, body: Callable[..., Any]
   ) -> Any:
-    """`body(function, args, kwargs, count)` where the loop runs."""
-    return body(*self.arguments(function, call), count)
+    """`body(function, args, kwargs, count, consts)` where the loop runs."""
+    return body(*self.arguments(function, call), count, ())
+
+  def lift(self, consts: Any) -> None:
+    """How the step is traced when it closes over arrays on a mesh: here, as is."""
+    return None
 
   def run(self, plan: Any, call: Any) -> Any:
     function, args, kwargs = self.arguments(plan.function, call)
@@ -139,69 +144,144 @@ class OverOneDevice(OneDevice):
 class WholeBatch(OneDevice):
   """The loop over the sharded batch, as the whole batch's step would run.
 
-  For what cannot run per device under `shard_map`: on an explicit mesh, JAX
-  does not let a `shard_map` close over arrays placed on the mesh, which a
-  function reaching params or constants by closure does. The micro-step is
-  then the whole-batch step on fewer rows, sharded by the batch's types:
-  whatever the whole batch runs, this runs, with the same result, but XLA
-  communicates inside the loop wherever the whole batch's step communicates.
+  For what cannot run on each device's rows under `shard_map`, traced inside
+  or outside it (an `out_sharding` or reshard naming the data axes on fewer
+  rows per device than they have devices, a function JAX cannot run inside
+  `shard_map` at all). The micro-step is the whole-batch step on every
+  device's micro-batch k together, sharded by the batch's types: whatever the
+  whole batch runs, this runs, but XLA communicates inside the loop wherever
+  the whole batch's step communicates.
+
+  It cuts the same micro-batches in the same order: with the strided split
+  the global strided micro-batch k is every device's micro-batch k, device
+  after device; with the contiguous one each device's rows are put in that
+  order first (`_device_order`: nothing moves between devices), and
+  concatenated outputs back in theirs. So sums, maxima, concatenations,
+  per-example means and `weight_fn` means whose weight adds up over rows come
+  out the same, up to rounding; what depends on each device's micro-batches
+  alone is refused by a rule of the table.
+
+  Attributes:
+    args: the call's arguments, the batch laid out.
+    axes_of_batch: the data axes.
+    devices: the devices over them.
+    reordered: the contiguous split, its rows put in device order.
+    cause: why the function could not run on each device's rows.
   """
 
   args: tuple = ()
   axes_of_batch: tuple[str, ...] = ()
+  num_devices: int = 1
+  reordered: bool = False
   cause: Exception | None = None
 
   def arguments(self, function, call):
     return function, self.args, call.kwargs
 
+  def run(self, plan: Any, call: Any) -> Any:
+    out = super().run(plan, call)
+    if self.reordered:  # "concat" rows back in the batch's order
+      k = plan.loop.inputs.cut[0]
+      out = jax.tree.map(
+        lambda a, x: (
+          _batch_order(x, self.num_devices, k)
+          if isinstance(a, accumulators.Concat)
+          else x
+        ),
+        plan.loop.accumulators,
+        out,
+        is_leaf=accumulators.is_accumulator,
+      )
+    return out
+
+
+def _transposed(x: jax.Array, num_devices: int, inner: tuple[int, int]) -> jax.Array:
+  """`x` as `[D, *inner, ...]`, its two inner axes swapped, each device's rows
+  among themselves (nothing moves between devices)."""
+  shape = (num_devices, *inner, *x.shape[1:])
+  spec = arguments.spec_of(x)
+  if spec is None:
+    return jnp.swapaxes(x.reshape(shape), 1, 2).reshape(x.shape)
+  mesh = jax.typeof(x).sharding.mesh
+  rest = tuple(spec)[1:]
+  blocks = jnp.reshape(
+    x, shape, out_sharding=jax.NamedSharding(mesh, P(spec[0], None, None, *rest))
+  )
+  blocks = jnp.swapaxes(blocks, 1, 2)
+  return jnp.reshape(blocks, x.shape, out_sharding=jax.NamedSharding(mesh, spec))
+
+
+def _device_order(x: jax.Array, num_devices: int, num_microbatches: int) -> jax.Array:
+  """Rows reordered so that strided micro-batch k is each device's contiguous k:
+  `[D, K, R]` read as `[D, R, K]`. `_batch_order` is its inverse."""
+  return _transposed(x, num_devices, (num_microbatches, -1))
+
+
+def _batch_order(x: jax.Array, num_devices: int, num_microbatches: int) -> jax.Array:
+  return _transposed(x, num_devices, (-1, num_microbatches))
+
 
 def whole_batch(
   options: Any, at: Positions, call: Any, route: mesh.PerDevice, error: Exception
 ) -> WholeBatch:
-  """`route`'s call laid out for the whole batch's step: the batch sharded over
-  the data axes as the per-device loop would have it."""
+  """`route`'s call laid out for the whole batch's step: the batch split over
+  the data axes as the per-device loop has it, in its micro-batches' order."""
+  reordered = options.split == "contiguous" and route.devices > 1
   args = list(call.args)
+
+  def lay_out(x):
+    if not isinstance(x, ARRAY_TYPES):
+      return x
+    rest = (arguments.spec_of(x) or P())[1:] if route.explicit else ()
+    x = placement.place(x, route.mesh, P(route.axes, *rest), route.explicit)
+    if reordered:
+      return _device_order(x, route.devices, options.num_microbatches)
+    return x
+
   for i in at.batch:
-    args[i] = jax.tree.map(
-      lambda x: (
-        placement.place(
-          x,
-          route.mesh,
-          P(route.axes, *((arguments.spec_of(x) or P())[1:] if route.explicit else ())),
-          route.explicit,
-        )
-        if isinstance(x, ARRAY_TYPES)
-        else x
-      ),
-      args[i],
-    )
+    args[i] = jax.tree.map(lay_out, args[i])
   rows = route.rows * route.devices
-  return WholeBatch(rows, tuple(args), route.axes, error)
+  return WholeBatch(rows, tuple(args), route.axes, route.devices, reordered, error)
+
+
+def _first_line(error: BaseException) -> str:
+  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
+def failures(error: Exception) -> str:
+  """How the function failed per device: inside the loop, then traced outside
+  it (`retype.lift` raises the error inside the loop from the one outside)."""
+  outside = error.__cause__
+  if isinstance(outside, Exception) and outside is not error:
+    return f"{_first_line(error)}; traced outside the loop: {_first_line(outside)}"
+  return _first_line(error)
 
 
 def warn_whole_batch(route: WholeBatch) -> None:
   error, axes = route.cause, route.axes_of_batch
   assert error is not None
-  first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
   warnings.warn(
     f"jaccum could not run grad_fn on each device's rows under shard_map "
-    f"({type(error).__name__}: {first_line[:300]}), so it runs the loop as the "
-    f"whole batch's step runs, sharded over {axes}: the result is the same, but "
-    f"XLA may communicate over {axes} inside the loop (count it with "
-    f"jaccum.inspect.collectives(step, *args).by_axis). "
+    f"({failures(error)}), so it runs the loop as the "
+    f"whole batch's step runs, sharded over {axes}. Its micro-batch k is every "
+    f"device's micro-batch k together, in the same order: sums, maxima, "
+    f"concatenations, per-example means and weight_fn means whose weight adds "
+    f"up over rows (token counts) are the same, up to rounding. What is not: a "
+    f"mean of a value that is not a mean over examples (a mean over tokens "
+    f"without weight_fn) averages K micro-batches of all devices' rows, not "
+    f"devices × K of each device's, and a key (rng_argnum) is folded with the "
+    f"micro-batch only, not the device. XLA may communicate over {axes} inside "
+    f"the loop (count it with jaccum.inspect.collectives(step, *args).by_axis). "
     f"{cause_and_fix(error, axes)}",
-    stacklevel=5,
+    stacklevel=wrappers.user_stacklevel(),
   )
 
 
 def cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
   """What usually makes the user's function fail per device, and what to write
   instead."""
-  message = str(error)
+  message = f"{error} {error.__cause__ or ''}"
   if "with_sharding_constraint can only refer to Auto axes" in message:
-    # A bare PartitionSpec is resolved against the mesh in context, whose data
-    # axes are manual inside the per-device loop; a NamedSharding names its
-    # own mesh, and jaccum takes the data axes out of it.
     return (
       f"The cause is a with_sharding_constraint given a bare PartitionSpec "
       f"that names {axes}: inside the per-device loop JAX resolves it against "
@@ -210,13 +290,20 @@ def cause_and_fix(error: Exception, axes: tuple[str, ...]) -> str:
       f"device holds its rows already), or leave {axes} out of the spec, and "
       f"the loop runs per device."
     )
-  if "cannot contain axis names that are of type Auto or Manual" in message:
+  if any(
+    words in message
+    for words in (
+      "cannot contain axis names that are of type Auto or Manual",
+      "does not evenly divide the dimension size",
+    )
+  ):
     return (
       f"The cause is an out_sharding= (or reshard) that names {axes}: inside "
-      f"the per-device loop those axes are manual, and JAX takes only explicit "
-      f"axes there. Models written for explicit sharding name the batch axis; "
-      f"on an auto mesh (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))) "
-      f"with sharding constraints instead, the loop runs per device."
+      f"the per-device loop those axes are manual, and jaccum drops them only "
+      f"where each device's micro-batch splits over them. Pick K so that each "
+      f"device's micro-batch holds a multiple of the devices of {axes} in "
+      f"rows, or leave {axes} out of the spec (or use an auto mesh with "
+      f"sharding constraints), and the loop runs per device."
     )
   return (
     "The usual cause is an array that grad_fn closes over (on an explicit "

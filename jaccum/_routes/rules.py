@@ -12,8 +12,10 @@ with every other against the whole batch, so a rule that exists is tested.
 Pairs not in the table are exact together, among them: a count per device ×
 FSDP's sharded modes (idle devices join each reduce-scatter with zeros),
 `deterministic` × a count on a batch sharded by `accumulate` (device d runs
-the global micro-batches d·K .. that are real), and `deterministic` × every
-other option (the same bits whatever K and the devices).
+the global micro-batches d·K .. that are real), `deterministic` ×
+`reduce="last"` (the global order's last micro-batch that ran, the same on
+every device), and `deterministic` × every other option (the same bits
+whatever K and the devices).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Facts(NamedTuple):
     grad_modes: the `reduce` modes of the gradient leaves.
     last_path: where the first `"last"` leaf sits in the output (`[0][1]`).
     scattered: any gradient leaf comes back scattered (FSDP).
+    whole_batch: on the whole batch's route, `(failures, cause_and_fix)`:
+      how the function failed on each device's rows, and the usual cause and
+      fix; None elsewhere.
   """
 
   options: Any
@@ -63,6 +68,7 @@ class Facts(NamedTuple):
   grad_modes: tuple[str, ...] | None = None
   last_path: str | None = None
   scattered: bool | None = None
+  whole_batch: tuple[str, str] | None = None
 
 
 class Rule(NamedTuple):
@@ -124,6 +130,44 @@ def _count_varies_and_collectives(f: Facts) -> str:
     f"every device the same count (a scalar), or drop the collective from "
     f"grad_fn."
   )
+
+
+def _count_needs_split(f: Facts) -> str:
+  """A count with the split left to its default: the message names both."""
+  axes, sharded = f.axes, f.sharded_by_accumulate
+  whose = "each device's rows" if axes and not sharded else "the whole batch"
+  ran = (
+    f"num_real_microbatches with the split left out (strided, the default) "
+    f"runs micro-batches 0..n-1 of K={f.options.num_microbatches}, micro-batch k "
+    f"holding rows k, k + K, k + 2K, … of {whose}: the rows whose index modulo "
+    f"K is below n. A batch padded at its end (as "
+    f"variable-size and Poisson-sampled batches are) would lose real rows and "
+    f"sum padding rows. Name the split: "
+  )
+  strided = (
+    'split="strided" keeps the strided order (put the padding at the rows '
+    "whose index modulo K is n or more)."
+  )
+  if sharded:
+    fix = (
+      f'split="contiguous" cannot take a count on a batch accumulate splits over '
+      f"the explicit mesh axes {tuple(axes)} (the first micro-batches live "
+      f"on the first devices): for a batch padded at its end use "
+      f'jaccum.data_parallel with split="contiguous" and a count per device '
+      f"(each device's real rows first); or {strided}"
+    )
+  elif axes:
+    fix = (
+      f'split="contiguous" runs the first n·R/K of each device\'s R rows (for a '
+      f"batch padded at its end: each device's rows padded at their end, a count "
+      f"per device with data_parallel); {strided}"
+    )
+  else:
+    fix = (
+      f'split="contiguous" runs the first n·N/K of the batch\'s N rows (for a '
+      f"batch padded at its end); {strided}"
+    )
+  return ran + fix
 
 
 def _count_and_contiguous(f: Facts) -> str:
@@ -236,6 +280,50 @@ def _fsdp_modes(fsdp_modes: Sequence[str]) -> str:
   )
 
 
+# option -> why the whole batch's step cannot give what the per-device loop does
+_PER_DEVICE = {
+  "deterministic=True": (
+    "its bits are those of devices × K micro-batches of each device's rows, "
+    "and the whole batch's step sums K micro-batches of all devices' rows"
+  ),
+  "return_stats=True": (
+    "the noise scale's small batch is a micro-batch of one device's rows, and "
+    "the whole batch's step has micro-batches of all devices' rows"
+  ),
+  "state_argnum": (
+    "each device threads its state through its own rows, and the whole "
+    "batch's step threads one state through all devices' rows"
+  ),
+  "num_real_microbatches": "it counts micro-batches per device",
+  "reduce_fn": "it reduces each device's accumulator",
+}
+
+
+def _per_device_only(f: Facts) -> list[str]:
+  o = f.options
+  given = {
+    "deterministic=True": o.deterministic,
+    "return_stats=True": o.return_stats,
+    "state_argnum": o.state_argnum is not None,
+    "num_real_microbatches": f.count,
+    "reduce_fn": o.reduce_fn is not None,
+  }
+  return [name for name, on in given.items() if on]
+
+
+def _whole_batch(f: Facts) -> str:
+  assert f.whole_batch is not None
+  failures, cause_and_fix = f.whole_batch
+  named = _per_device_only(f)
+  return (
+    f"{' and '.join(named)} need{'s' if len(named) == 1 else ''} the per-device "
+    f"loop, which cannot run grad_fn here ({failures}): "
+    + "; ".join(f"{name}: {_PER_DEVICE[name]}" for name in named)
+    + f". Without {'them' if len(named) > 1 else 'it'} the step would run as the "
+    f"whole batch's does. {cause_and_fix}"
+  )
+
+
 def _reduce_fn_on_one_device(f: Facts) -> str:
   return (
     "reduce_fn replaces the reduction over devices: it needs axis_name (inside "
@@ -290,6 +378,15 @@ RULES: tuple[Rule, ...] = (
   ),
   # The plan: the options and the call.
   Rule(
+    "`deterministic`, `return_stats`, `state_argnum`, a count or `reduce_fn` × "
+    "the whole batch's route",
+    "their result is that of each device's own micro-batches, which the whole "
+    "batch's step does not cut",
+    "plan",
+    lambda f: f.whole_batch is not None and bool(_per_device_only(f)),
+    _whole_batch,
+  ),
+  Rule(
     "`reduce_fn` × one device",
     "nothing to reduce over",
     "plan",
@@ -302,6 +399,15 @@ RULES: tuple[Rule, ...] = (
     "plan",
     lambda f: f.count and f.options.overlap_reduction,
     _count_and_overlap,
+  ),
+  Rule(
+    "a count × the split left out",
+    "strided micro-batches spread through the batch, so a batch padded at its "
+    "end loses real rows; the message names both splits (`deterministic=True` "
+    "splits contiguously: taken)",
+    "plan",
+    lambda f: f.count and not f.options.split_named and not f.options.deterministic,
+    _count_needs_split,
   ),
   Rule(
     'a count × `split="contiguous"` on a batch sharded by `accumulate`',

@@ -48,6 +48,9 @@ class MultiStepsState(NamedTuple):
     emitted: bool, whether the call that returned this state applied the inner
       optimizer (what `MultiSteps.has_updated` reads).
     num_skipped: int32, the mini-steps `should_skip_update_fn` has rejected.
+    num_clamped: int32, with `deterministic=True`: the windows that ended at
+      2^15 - 1 mini-steps, the most its bins hold, because a schedule traced
+      under `jit` asked for more (outside `jit` that is an error).
 
   Examples:
     A state that `optax.MultiSteps` left half-way through a window continues:
@@ -74,6 +77,22 @@ class MultiStepsState(NamedTuple):
   acc_weight: jax.Array | exact.Acc | None = None
   emitted: jax.Array | bool = False
   num_skipped: jax.Array | int = 0
+  num_clamped: jax.Array | int = 0
+
+
+def _check_exact_window(steps: Any, where: str) -> None:
+  """Refuses a window longer than the exact sums hold, where its length is known."""
+  try:
+    steps = int(steps)
+  except jax.errors.ConcretizationTypeError:
+    return  # traced: `_exact_update` ends the window at the limit
+  if steps > exact.MAX_TERMS:
+    raise ValueError(
+      f"{where}={steps} is more than MultiSteps(deterministic=True) sums "
+      f"exactly: at most {exact.MAX_TERMS} mini-steps a window (what its int32 "
+      "bins hold). Use a shorter window (fewer, larger micro-batches per "
+      "mini-step), or deterministic=False."
+    )
 
 
 def _check_steps(value: Any, where: str) -> Any:
@@ -171,6 +190,8 @@ class _MultiSteps:
       )
     if not callable(every_k_schedule):
       _check_steps(every_k_schedule, "every_k_schedule")
+      if deterministic:
+        _check_exact_window(every_k_schedule, "every_k_schedule")
     if should_skip_update_fn is not None and not callable(should_skip_update_fn):
       raise TypeError(
         "should_skip_update_fn must be callable or None, got "
@@ -198,7 +219,10 @@ class _MultiSteps:
     if not callable(self._every_k_schedule):
       return self._every_k_schedule
     steps = self._every_k_schedule(gradient_step)
-    return _check_steps(steps, "every_k_schedule(gradient_step)")
+    steps = _check_steps(steps, "every_k_schedule(gradient_step)")
+    if self._deterministic:
+      _check_exact_window(steps, "every_k_schedule(gradient_step)")
+    return steps
 
   def _acc_dtype(self, param: Any) -> np.dtype:
     dtype = jnp.result_type(param)
@@ -233,6 +257,7 @@ class _MultiSteps:
       acc_weight=acc_weight,
       emitted=jnp.zeros([], bool),
       num_skipped=jnp.zeros([], jnp.int32),
+      num_clamped=jnp.zeros([], jnp.int32),
     )
 
   def _exact_zeros(self, param: Any) -> exact.Acc:
@@ -382,24 +407,28 @@ class _MultiSteps:
     Each accepted mini-step adds `w·g` (`g` without weights) to exact sums
     (`_exact`): the window's mean is the same bits in any order of its
     mini-steps, and equals `accumulate(..., deterministic=True)` over the same
-    micro-batch gradients.
+    micro-batch gradients. A window ends at `exact.MAX_TERMS` mini-steps
+    (counted in `num_clamped` when the schedule asked for more), so its int32
+    bins never wrap.
     """
-    steps = self._steps_in_window(state.gradient_step)
+    asked = self._steps_in_window(state.gradient_step)
+    steps = jnp.minimum(asked, exact.MAX_TERMS)
     skip, skip_state = self._skip(updates, state, params)
     accepted = jnp.logical_not(skip)
     adds = accepted if weight is None else accepted & (weight != 0)
     weight = jnp.ones([], jnp.float32) if weight is None else weight
+    weight = jnp.where(adds, weight, 0)  # 0 adds nothing, NaN gradients too
     empty = state.mini_step == 0
 
-    def added(acc: exact.Acc, terms: jax.Array) -> exact.Acc:
+    def added(acc: exact.Acc, terms: jax.Array, weight: Any = None) -> exact.Acc:
       # An empty window starts from nothing, whatever the state holds.
       fresh = jax.tree.map(
         lambda old, new: jnp.where(empty, new, old), acc, exact.empty_like(acc)
       )
-      return exact.add(fresh, jnp.where(adds, terms, 0))
+      return exact.add(fresh, terms, weight)
 
     acc_grads = jax.tree.map(
-      lambda acc, g: added(acc, weight.astype(acc.dtype) * g.astype(acc.dtype)),
+      lambda acc, g: added(acc, g, weight),
       state.acc_grads,
       updates,
       is_leaf=exact.is_acc,
@@ -408,11 +437,8 @@ class _MultiSteps:
     total = added(state.acc_weight, weight)
 
     def emit_branch(acc_grads, inner_state, params):
-      divisor = exact.value(total)
-
       def mean(acc, update):
-        summed = exact.value(acc)
-        summed = exact.divide(summed, divisor) if self._use_grad_mean else summed
+        summed = exact.divide(acc, total) if self._use_grad_mean else exact.value(acc)
         return summed.astype(update.dtype)
 
       grads = jax.tree.map(mean, acc_grads, updates, is_leaf=exact.is_acc)
@@ -441,6 +467,7 @@ class _MultiSteps:
       acc_weight=total,
       emitted=emit,
       num_skipped=state.num_skipped + skip.astype(jnp.int32),
+      num_clamped=state.num_clamped + (emit & (asked > steps)).astype(jnp.int32),
     )
 
   def _update(
@@ -548,6 +575,7 @@ class _MultiSteps:
       acc_weight=jnp.where(emit, 0, total),
       emitted=emit,
       num_skipped=state.num_skipped + skip.astype(jnp.int32),
+      num_clamped=state.num_clamped,
     )
     return new_updates, new_state
 
@@ -613,8 +641,12 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
       values as products with reciprocals, a plain `jax.grad` does not).
       `acc_grads` and `acc_weight` then hold exact sums (three int32 per
       parameter); a state of `optax.MultiSteps` does not continue here. At
-      most 2¹⁵ - 1 mini-steps a window. See the guide "Reproducible and
-      elastic accumulation".
+      most 2¹⁵ - 1 mini-steps a window, what the bins hold: a longer int
+      window is a ValueError here, and so is a schedule's value wherever it
+      is read outside `jit` (`init`, eager calls); a schedule traced under
+      `jit` that asks for more ends the window at 2¹⁵ - 1 (its exact mean),
+      counted in `state.num_clamped`. Not differentiable (a TypeError says
+      so). See the guide "Reproducible and elastic accumulation".
 
   Raises:
     TypeError, ValueError: for a bad argument, naming it, what was expected and

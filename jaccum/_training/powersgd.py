@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaccum._core import wire as _wire
+
 
 class PowerSGDState(NamedTuple):
   """`PowerSGD`'s state: per gradient leaf, one row per device.
@@ -137,7 +139,7 @@ class PowerSGD:
     out, new_qs, new_errors = [], [], []
     for grad, q, error in zip(leaves, qs, errors, strict=True):
       if q is None:
-        out.append(jax.lax.psum(grad, axes))
+        out.append(_wire.reduced(lambda g: jax.lax.psum(g, axes), grad))
         new_qs.append(None)
         new_errors.append(None)
         continue
