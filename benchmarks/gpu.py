@@ -264,7 +264,7 @@ def main() -> None:
     # Two simulated CPU devices (before JAX starts its backends), so that the
     # overlap part runs in CI; a GPU, where there is one, stays the default.
     jax.config.update("jax_num_cpu_devices", 2)
-  import jaccum._planning.fit_plan
+  import jaccum._planning.points
   from benchmarks import _record, plan
 
   start = time.perf_counter()
@@ -275,7 +275,7 @@ def main() -> None:
     "quick": args.quick,
     "command": " ".join(["bash benchmarks/gpu.sh", *sys.argv[1:]]),
     "rounds": rounds,
-    "tie": jaccum._planning.fit_plan.TIE,
+    "tie": jaccum._planning.points.TIE,
     "goals": {
       "vs_best": plan.GOAL_VS_BEST,
       "vs_full_remat": plan.GOAL_VS_FULL_REMAT,

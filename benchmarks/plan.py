@@ -462,7 +462,7 @@ def evaluate(
     "model_best": point(model_best),
     # Within the model's tie margin of the best it predicts for the grid.
     "model_best_found": chosen["predicted_s"]
-    <= model_best["predicted_s"] * (1 + jaccum._planning.fit_plan.TIE),
+    <= model_best["predicted_s"] * (1 + jaccum._planning.points.TIE),
     # The search's compile of the chosen point agrees with the grid's.
     "peak_agrees": plan.peak_bytes == chosen["peak_bytes"],
     "full_remat_smallest_k": point(baseline),
@@ -587,7 +587,7 @@ def run(
   return {
     "rounds": rounds,
     "cost_model": cost_model._asdict(),
-    "tie": jaccum._planning.fit_plan.TIE,
+    "tie": jaccum._planning.points.TIE,
     "goals": {
       "vs_best": GOAL_VS_BEST,
       "vs_full_remat": GOAL_VS_FULL_REMAT,

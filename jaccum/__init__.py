@@ -8,7 +8,8 @@ from jaccum._pipeline.front import pipeline
 from jaccum._pipeline.tables import PipelineSchedule, pipeline_schedule
 from jaccum._planning.cost import CostModel
 from jaccum._planning.fit import MicrobatchFit, fit_microbatches, fit_train_step
-from jaccum._planning.fit_plan import Plan, PlanPoint, Remat, fit_plan
+from jaccum._planning.fit_plan import fit_plan
+from jaccum._planning.points import Plan, PlanPoint, Remat
 from jaccum._routes.accumulate import accumulate, data_parallel
 from jaccum._routes.coupled import accumulate_coupled
 from jaccum._training.multisteps import MultiSteps, MultiStepsState

@@ -21,11 +21,12 @@ import pytest
 
 import jaccum
 from jaccum._planning import fit as _fit
-from jaccum._planning import fit_plan as _plan
+from jaccum._planning import points as _points
+from jaccum._planning import search as _search
 from jaccum._planning import timing as _timing
 
 SDS = jax.ShapeDtypeStruct
-POLICIES = _plan.DEFAULT_POLICIES
+POLICIES = _points.DEFAULT_POLICIES
 # A fixed cost model: the plans these tests check do not depend on the
 # machine's speed.
 COST = jaccum.CostModel(5e10, 2e10, 5e9, 5e-6)
@@ -91,11 +92,11 @@ def grid(model):
   # XLA's cost analysis counts a loop's body once: the reference unrolls the
   # layers' scan in the model itself, so every layer is counted.
   unrolled = functools.partial(mlp_grad_fn, unroll=True) if model == "mlp" else None
-  plain = (unrolled or make_grad_fn)(_plan.Remat(None, None))
+  plain = (unrolled or make_grad_fn)(_points.Remat(None, None))
   points = {}
   for policy in POLICIES:
-    grad_fn = make_grad_fn(_plan._remat(policy))
-    costed = (unrolled or make_grad_fn)(_plan._remat(policy))
+    grad_fn = make_grad_fn(_points.remat(policy))
+    costed = (unrolled or make_grad_fn)(_points.remat(policy))
     for k in KS[model]:
       step = jax.jit(jaccum.accumulate(grad_fn, k))
       m = step.lower(params, batch).compile().memory_analysis()
@@ -231,7 +232,7 @@ def test_the_step_never_runs_and_the_plans_step_is_exact():
   assert plan.num_microbatches > 1
   value, grads = jax.jit(plan.step(make_grad_fn))(ws, x)
   assert calls  # It ran now.
-  want_value, want_grads = jax.jit(make_grad_fn(_plan.Remat(None, None)))(ws, x)
+  want_value, want_grads = jax.jit(make_grad_fn(_points.Remat(None, None)))(ws, x)
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
   np.testing.assert_allclose(grads, want_grads, rtol=1e-5, atol=1e-7)
 
@@ -288,13 +289,13 @@ def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused
   )  # fmt: skip
   assert generous.fsdp_mode == "gather_once"  # The fewest bytes on the wire.
   refused = jaccum.fit_microbatches(
-    make_grad_fn(_plan.Remat(None, None)), ws, x, memory_budget=1 << 40,
+    make_grad_fn(_points.Remat(None, None)), ws, x, memory_budget=1 << 40,
     mesh=mesh, param_specs=specs, fsdp_mode="gather_once",
   )  # fmt: skip
   budget = int(min(refused.tried.values()) * 0.6)
   with pytest.raises(ValueError, match="no candidate K fits"):
     jaccum.fit_microbatches(
-      make_grad_fn(_plan.Remat(None, None)), ws, x, memory_budget=budget,
+      make_grad_fn(_points.Remat(None, None)), ws, x, memory_budget=budget,
       mesh=mesh, param_specs=specs, fsdp_mode="gather_once",
     )  # fmt: skip
   plan = jaccum.fit_plan(
@@ -305,7 +306,7 @@ def test_fsdp_modes_on_a_mesh_choose_a_sharded_mode_where_gather_once_is_refused
   assert plan.peak_bytes <= budget
   assert all(p.wire_bytes for p in plan.tried.values())
   grads = jax.jit(plan.step(make_grad_fn))(ws, x)
-  want = jax.jit(make_grad_fn(_plan.Remat(None, None)))(ws, x)
+  want = jax.jit(make_grad_fn(_points.Remat(None, None)))(ws, x)
   assert grads.sharding.is_equivalent_to(ws.sharding, ws.ndim)
   np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-7)
 
@@ -318,7 +319,7 @@ def test_deterministic_on_a_mesh_searches_gather_once_and_refuses_sharded_modes(
   plan = jaccum.fit_plan(make_grad_fn, ws, x, memory_budget=1 << 40, **options)
   assert {mode for _, _, mode in plan.tried} == {"gather_once"}
   grads = jax.jit(plan.step(make_grad_fn))(ws, x)
-  want = jax.jit(make_grad_fn(_plan.Remat(None, None)))(ws, x)
+  want = jax.jit(make_grad_fn(_points.Remat(None, None)))(ws, x)
   np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-7)
   refused = r"deterministic=True and fsdp_modes=.*shard_grads"
   with pytest.raises(ValueError, match=refused):
@@ -400,12 +401,12 @@ CONTRASTIVE_ARGS = (
 
 def test_per_k_costs_choose_the_best_k_of_a_cost_quadratic_in_the_rows():
   params, batch = CONTRASTIVE_ARGS
-  plain = contrastive_grad_fn(_plan.Remat(None, None))
+  plain = contrastive_grad_fn(_points.Remat(None, None))
   # The reference: every (K, policy) lowered here at its own micro-batch,
   # predicted by the same formula.
   predicted, flops = {}, {}
   for policy in POLICIES:
-    grad_fn = contrastive_grad_fn(_plan._remat(policy))
+    grad_fn = contrastive_grad_fn(_points.remat(policy))
     for k in (1, 2, 4, 8, 16, 32, 64, 128, 256):
       micro = jax.tree.map(lambda s, k=k: SDS((256 // k, *s.shape[1:]), s.dtype), batch)
       flops[(k, policy)] = (
@@ -418,7 +419,7 @@ def test_per_k_costs_choose_the_best_k_of_a_cost_quadratic_in_the_rows():
     contrastive_grad_fn, params, batch, memory_budget=1 << 40, cost_model=COST
   )
   assert plan.grid_size == len(predicted)
-  assert plan.predicted_seconds <= predicted[best] * (1 + _plan.TIE)
+  assert plan.predicted_seconds <= predicted[best] * (1 + _points.TIE)
   assert plan.predicted_seconds == pytest.approx(
     predicted[(plan.num_microbatches, plan.remat)], rel=1e-6
   )
@@ -462,7 +463,7 @@ def test_measure_chooses_the_fastest_it_timed_and_shows_both_figures():
   assert "measured" in lines[0] and "of a 60 s bound" in lines[0]
   assert lines[1].split()[-1] == "measured"
   grads = jax.jit(plan.step(mlp_grad_fn))(ws, x)
-  want = jax.jit(mlp_grad_fn(_plan.Remat(None, None)))(ws, x)
+  want = jax.jit(mlp_grad_fn(_points.Remat(None, None)))(ws, x)
   np.testing.assert_allclose(grads[1], want[1], rtol=1e-5, atol=1e-7)
 
 
@@ -514,7 +515,7 @@ def test_measure_times_the_models_choice_first_and_keeps_its_bound(monkeypatch):
   shared machine.
   """
   events, builds, calls = [], [], []
-  build, add, call_time = _plan._Search.build, _timing.Timer.add, _timing.Timer._time
+  build, add, call_time = _search.Search.build, _timing.Timer.add, _timing.Timer._time
   init = _timing.Timer.__init__
 
   def logged_init(self, *args, **kwargs):
@@ -540,7 +541,7 @@ def test_measure_times_the_models_choice_first_and_keeps_its_bound(monkeypatch):
     return seconds
 
   monkeypatch.setattr(_timing.Timer, "__init__", logged_init)
-  monkeypatch.setattr(_plan._Search, "build", logged_build)
+  monkeypatch.setattr(_search.Search, "build", logged_build)
   monkeypatch.setattr(_timing.Timer, "add", logged_add)
   monkeypatch.setattr(_timing.Timer, "_time", logged_time)
   ws = jax.random.normal(jax.random.key(0), (8, 128, 128)) / 12

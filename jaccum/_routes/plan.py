@@ -189,6 +189,7 @@ def _traced(
   the route (lifted where the function could only be traced outside it)."""
   at, axes = inputs.at, route.axes
   sharded = route.fsdp.params if route.fsdp is not None else ()
+  rewrites = _rewrites(options, axes, inputs.global_order)
 
   def trace_here(route, function, args, kwargs, local_count, consts):
     prepared = inputs(function, args, kwargs, local_count)
@@ -199,7 +200,8 @@ def _traced(
     if axes is not None:
       batch = [prepared.args[i] for i in at.batch]
       closures = step.closures_summed(traced.closed, batch, axes)
-    return traced, closures
+    # Rewritten here too: a rewrite traces equations on the step's types.
+    return step.rewritten(traced, rewrites), closures
 
   here = lambda route: functools.partial(trace_here, route)
   try:
@@ -269,7 +271,6 @@ def _planned(options: Options, call: Call, at: step.Positions, route: Any) -> Pl
     at, (num_microbatches, options.split), route.rows, route.axes, exact, count_varies
   )
   route, traced = _traced(options, call, route, inputs, count)
-  traced = step.rewritten(traced, _rewrites(options, route.axes, exact))
   return _from_step(options, call, at, route, inputs, traced, count, facts)
 
 
