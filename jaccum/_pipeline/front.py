@@ -39,6 +39,7 @@ The schedules live in their own modules, sharing `common`:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -46,12 +47,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaccum._core import retype
 from jaccum._core.accumulators import check_accum_dtype
 from jaccum._core.microbatch import check_num_microbatches
 from jaccum._pipeline import common, gpipe, one_f_one_b, zero_bubble
 from jaccum._pipeline.tables import (
+  PipelineSchedule,
   ScheduleName,
   _Ticks,
   check_positive_int,
@@ -230,6 +233,76 @@ def pipeline(
     True
     True
   """
+  options = _options(
+    stage_fn,
+    num_microbatches,
+    mesh=mesh,
+    axis=axis,
+    data_axes=data_axes,
+    schedule=schedule,
+    remat=remat,
+    loss_fn=loss_fn,
+    num_virtual_stages=num_virtual_stages,
+    accum_dtype=accum_dtype,
+  )
+
+  def apply(
+    stage_params: Any,
+    x: Any,
+    targets: Any = None,
+    *,
+    rng: jax.Array | None = None,
+    state: Any = None,
+  ) -> Any:
+    return _apply(options, stage_params, x, targets, rng, state)
+
+  return apply
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """`pipeline`'s keywords, each converted and checked once, at the door.
+
+  Attributes:
+    stage_fn: one stage on one micro-batch.
+    loss_fn: the last stage's loss of one micro-batch, or None.
+    num_microbatches: K, per data shard.
+    mesh: the device mesh.
+    axis: the stages' mesh axis.
+    data_axes: the mesh axes that shard the batch.
+    num_shards: the devices over `data_axes`.
+    table: the schedule the loops run, as `pipeline_schedule` returns it.
+    ticks: its layout of chunks over the devices.
+    remat: keep only each stage's inputs for the backward.
+    accum: the dtype gradients and the loss accumulate in, or None.
+  """
+
+  stage_fn: Callable[..., Any]
+  loss_fn: Callable[..., Any] | None
+  num_microbatches: int
+  mesh: Any
+  axis: str
+  data_axes: tuple[str, ...]
+  num_shards: int
+  table: PipelineSchedule
+  ticks: _Ticks
+  remat: bool
+  accum: np.dtype | None
+
+
+def _options(
+  stage_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  mesh: Any,
+  axis: str,
+  data_axes: str | Sequence[str],
+  schedule: ScheduleName,
+  remat: bool,
+  loss_fn: Callable[..., Any] | None,
+  num_virtual_stages: int,
+  accum_dtype: Any,
+) -> Options:
   num_microbatches = check_num_microbatches(num_microbatches)
   num_chunks = check_positive_int(num_virtual_stages, "num_virtual_stages")
   accum = check_accum_dtype(accum_dtype, "accum_dtype")
@@ -242,85 +315,102 @@ def pipeline(
       "memory)."
     )
   data_axes = _check_axes(mesh, axis, data_axes)
-  num_shards = math.prod(mesh.shape[a] for a in data_axes)
-  # The schedule the loops run, as `pipeline_schedule` returns it.
-  plan = pipeline_schedule(
+  table = pipeline_schedule(
     mesh.shape[axis],
     num_microbatches,
     schedule=schedule,
     num_virtual_stages=num_chunks,
   )
-  ticks = _Ticks(plan.num_stages, num_chunks, num_microbatches)
+  return Options(
+    stage_fn,
+    loss_fn,
+    num_microbatches,
+    mesh,
+    axis,
+    data_axes,
+    math.prod(mesh.shape[a] for a in data_axes),
+    table,
+    _Ticks(table.num_stages, num_chunks, num_microbatches),
+    bool(remat),
+    accum,
+  )
 
-  def apply(
-    stage_params: Any,
-    x: Any,
-    targets: Any = None,
-    *,
-    rng: jax.Array | None = None,
-    state: Any = None,
-  ) -> Any:
-    if loss_fn is None and targets is not None:
-      raise TypeError(
-        "targets is what loss_fn takes beside the last stage's output, but "
-        "this pipeline has no loss_fn: pass loss_fn= to pipeline(), or drop "
-        "targets."
-      )
-    params = common.stack_chunks(stage_params, "stage_params", ticks, axis)
-    chunked_state = (
-      None if state is None else common.stack_chunks(state, "state", ticks, axis)
+
+def _apply(
+  options: Options, stage_params: Any, x: Any, targets: Any, rng: Any, state: Any
+) -> Any:
+  """The pipeline on one call's arguments (`pipeline`'s `f`)."""
+  o = options
+  if o.loss_fn is None and targets is not None:
+    raise TypeError(
+      "targets is what loss_fn takes beside the last stage's output, but "
+      "this pipeline has no loss_fn: pass loss_fn= to pipeline(), or drop "
+      "targets."
     )
-    batch = {"x": x} if loss_fn is None else {"x": x, "targets": targets}
-    _check_batch(batch, num_microbatches, num_shards, data_axes)
-    key_data, key_impl = (None, None) if rng is None else _check_key(rng)
-    layout = common.Layout(plan, axis, data_axes, bool(remat), accum, key_impl)
-    param_dtypes = jax.tree.map(common.dtype, params)
+  params = common.stack_chunks(stage_params, "stage_params", o.ticks, o.axis)
+  chunked_state = (
+    None if state is None else common.stack_chunks(state, "state", o.ticks, o.axis)
+  )
+  batch = {"x": x} if o.loss_fn is None else {"x": x, "targets": targets}
+  _check_batch(batch, o.num_microbatches, o.num_shards, o.data_axes)
+  key_data, key_impl = (None, None) if rng is None else _check_key(rng)
+  layout = common.Layout(o.table, o.axis, o.data_axes, o.remat, o.accum, key_impl)
+  param_dtypes = jax.tree.map(common.dtype, params)
+  # Parameters enter in `accum_dtype` and are cast to their own dtype where
+  # a stage uses them: their gradients are accumulated in it, and summed
+  # over the data shards in it by `shard_map`'s transpose.
+  inputs = (layout.widen(params), x, targets, key_data, chunked_state)
+  specs = common.specs(layout)
+  # A loss comes out as each device's share, summed after `shard_map`:
+  # summed inside, its cotangent would reach the backward through a psum,
+  # and XLA could not fold away a multiplication by 1.
+  out_spec = common.batch_spec(layout) if o.loss_fn is None else P(layout.all_axes)
+  local = functools.partial(_local, o, layout, param_dtypes)
+  out, new_state = _sharded(local, o.mesh, specs, (out_spec, specs[-1]), inputs)
+  if o.loss_fn is not None:
+    out = jnp.sum(out)
+  if state is None:
+    return out
+  return out, common.unstack_chunks(new_state, o.ticks)
 
-    def local(lifted, params, x, targets, key, state, *consts):
-      params, state = common.local_chunks(params), common.local_chunks(state)
-      stage, head = common.trace_user_functions(
-        stage_fn,
-        loss_fn,
-        (params, param_dtypes, x, targets, key, state),
-        layout,
-        common.Lift(mesh, lifted, consts),
-      )
-      args = common.Args(
-        params=params,
-        stage_consts=stage.consts,
-        head_consts=[] if head is None else head.consts,
-        x=x,
-        targets=targets,
-        key=key,
-        state=state,
-      )
-      if schedule != "gpipe":
-        assert head is not None
-        out, state = _gradient_loop(layout, stage, head, param_dtypes, args)
-      else:
-        out, state = gpipe.gpipe(layout, stage, head, param_dtypes, args)
-      out = out if head is None else out[None]  # each device's share
-      return out, common.combine_state(layout, common.device_chunks(state))
 
-    # Parameters enter in `accum_dtype` and are cast to their own dtype where
-    # a stage uses them: their gradients are accumulated in it, and summed
-    # over the data shards in it by `shard_map`'s transpose.
-    widened = layout.widen(params)
-    inputs = (widened, x, targets, key_data, chunked_state)
-    specs = common.specs(layout)
-    # A loss comes out as each device's share, summed after `shard_map`:
-    # summed inside, its cotangent would reach the backward through a psum,
-    # and XLA could not fold away a multiplication by 1.
-    out_spec = common.batch_spec(layout) if loss_fn is None else P(layout.all_axes)
-
-    out, new_state = _sharded(local, mesh, specs, (out_spec, specs[-1]), inputs)
-    if loss_fn is not None:
-      out = jnp.sum(out)
-    if state is None:
-      return out
-    return out, common.unstack_chunks(new_state, ticks)
-
-  return apply
+def _local(
+  options: Options,
+  layout: common.Layout,
+  param_dtypes: Any,
+  lifted: Any,
+  params: Any,
+  x: Any,
+  targets: Any,
+  key: Any,
+  state: Any,
+  *consts: Any,
+) -> tuple[Any, Any]:
+  """One device's part of the pipeline, inside the `shard_map`."""
+  params, state = common.local_chunks(params), common.local_chunks(state)
+  stage, head = common.trace_user_functions(
+    options.stage_fn,
+    options.loss_fn,
+    (params, param_dtypes, x, targets, key, state),
+    layout,
+    common.Lift(options.mesh, lifted, consts),
+  )
+  args = common.Args(
+    params=params,
+    stage_consts=stage.consts,
+    head_consts=[] if head is None else head.consts,
+    x=x,
+    targets=targets,
+    key=key,
+    state=state,
+  )
+  if options.table.schedule != "gpipe":
+    assert head is not None
+    out, state = _gradient_loop(layout, stage, head, param_dtypes, args)
+  else:
+    out, state = gpipe.gpipe(layout, stage, head, param_dtypes, args)
+  out = out if head is None else out[None]  # each device's share
+  return out, common.combine_state(layout, common.device_chunks(state))
 
 
 def _sharded(

@@ -20,7 +20,7 @@ import numpy as np
 from jaccum._core import accumulators
 from jaccum._core.microbatch import check_batch
 from jaccum._core.rewrites import spec_axes
-from jaccum._core.step import ARRAY_TYPES, Positions
+from jaccum._core.step import ARRAY_TYPES, Function, Positions
 
 P = jax.sharding.PartitionSpec
 
@@ -51,24 +51,23 @@ def is_key(x: Any) -> bool:
 
 
 def positions(
-  options: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None
+  batch_argnums: tuple[int, ...],
+  rng_argnum: int | None,
+  state_argnum: int | None,
+  args: Sequence[Any],
+  kwargs: dict[str, Any] | None = None,
 ) -> Positions:
   """Resolves (possibly negative) argnums against a call; checks they are sane."""
   num_args, kwargs = len(args), kwargs or {}
-  batch = tuple(
-    _normalize(i, num_args, "batch_argnums", kwargs) for i in options.batch_argnums
-  )
+  batch = tuple(_normalize(i, num_args, "batch_argnums", kwargs) for i in batch_argnums)
   rng, state = (
     None if argnum is None else _normalize(argnum, num_args, name, kwargs)
-    for argnum, name in (
-      (options.rng_argnum, "rng_argnum"),
-      (options.state_argnum, "state_argnum"),
-    )
+    for argnum, name in ((rng_argnum, "rng_argnum"), (state_argnum, "state_argnum"))
   )
   for name, other in (("rng_argnum", rng), ("state_argnum", state)):
     if other is not None and other in batch:
       raise ValueError(
-        f"{name}={other} is also in batch_argnums={options.batch_argnums}; the "
+        f"{name}={other} is also in batch_argnums={batch_argnums}; the "
         "batch, the key and the state must be different arguments."
       )
   if rng is not None and rng == state:
@@ -77,7 +76,7 @@ def positions(
   if rng is not None and not is_key(args[rng]):
     got = getattr(args[rng], "aval", None) or type(args[rng]).__name__
     raise TypeError(
-      f"rng_argnum={options.rng_argnum} must point at a PRNG key (jax.random.key "
+      f"rng_argnum={rng_argnum} must point at a PRNG key (jax.random.key "
       f"or jax.random.PRNGKey), got {got}."
     )
   return Positions(batch, rng, state)
@@ -170,13 +169,19 @@ def explicit_batch_axes(
   return (mesh, next(iter(found))) if found else None
 
 
-def check_batch_size(options: Any, at: Positions, args: Sequence[Any]) -> int:
-  """The batch's rows, checked to split into K micro-batches."""
+def check_batch_size(
+  num_microbatches: int,
+  batch_argnums: tuple[int, ...],
+  at: Positions,
+  args: Sequence[Any],
+) -> int:
+  """The batch's rows, checked to split into K micro-batches (`batch_argnums`
+  as given, for the message)."""
   return check_batch(
     [args[i] for i in at.batch],
-    options.num_microbatches,
+    num_microbatches,
     names=[f"args[{i}]" for i in at.batch],
-    hint=batch_hint(options.batch_argnums, at),
+    hint=batch_hint(batch_argnums, at),
   )
 
 
@@ -229,7 +234,7 @@ def check_axes_bound(axes: tuple[str, ...]) -> int:
 
 
 def output_shapes_at(
-  options: Any,
+  function: Function,
   at: Positions,
   args: Sequence[Any],
   kwargs: dict[str, Any],
@@ -257,7 +262,6 @@ def output_shapes_at(
     it = iter(values)
     full = [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
     step_args, step_kwargs = jax.tree.unflatten(treedef, full)
-    function = options.function
     out = function.fn(
       *function.bound_args, *step_args, **{**function.bound_kwargs, **step_kwargs}
     )

@@ -175,7 +175,7 @@ def _encoder(
     _check_rows(
       out,
       rows,
-      lambda: arguments.output_shapes_at(options, at, args, kwargs, 2 * rows),
+      lambda: arguments.output_shapes_at(options.function, at, args, kwargs, 2 * rows),
       has_aux,
     )
 
@@ -363,7 +363,9 @@ def _two_passes(
   gradients. The loss, its aux and its direct gradient, the same on every
   device, enter that sum from device 0 only, so the result is invariant.
   """
-  batch_size = arguments.check_batch_size(options, at, args)
+  batch_size = arguments.check_batch_size(
+    options.num_microbatches, options.batch_argnums, at, args
+  )
   rows = batch_size // options.num_microbatches
   encoder = _encoder(options, at, args, kwargs, rows, has_aux)
   has_state = at.state is not None
@@ -426,7 +428,9 @@ def _on_mesh(
   per device (on an explicit mesh, a function closing over arrays placed on
   it), the passes run as the whole batch's step runs, with a warning.
   """
-  devices, _, explicit = mesh_lib.check_mesh_and_batch(options, at, args, mesh, axes)
+  devices, _, explicit = mesh_lib.check_mesh_and_batch(
+    options.num_microbatches, options.batch_argnums, at, args, mesh, axes
+  )
   if devices == 1 and mesh.size > 1:
     # As `data_parallel` does: XLA rejects an all-reduce over a manual axis
     # of one device whose operand is split over another axis (data=1,
@@ -719,7 +723,9 @@ def accumulate_coupled(
     **kwargs: Any,
   ) -> Any:
     _refuse_call_keywords(num_real_microbatches, reduce_state)
-    at = arguments.positions(options, args, kwargs)
+    at = arguments.positions(
+      options.batch_argnums, options.rng_argnum, options.state_argnum, args, kwargs
+    )
     _check_params(args, at)
     if axes is not None:
       arguments.check_axes_bound(axes)

@@ -405,14 +405,18 @@ def first_last_path(accs: Any) -> str | None:
 
 
 def check_mesh_and_batch(
-  options: Any, at: Positions, args: Sequence[Any], mesh: Any, axes: tuple[str, ...]
+  num_microbatches: int,
+  batch_argnums: tuple[int, ...],
+  at: Positions,
+  args: Sequence[Any],
+  mesh: Any,
+  axes: tuple[str, ...],
 ) -> tuple[int, int, bool]:
   """`(devices, rows, explicit)`: the mesh names the axes, the batch splits into
   devices × K micro-batches of equal rows."""
   check_mesh_axes(axes, mesh)
   devices = math.prod(mesh.shape[a] for a in axes)
-  num_microbatches = options.num_microbatches
-  batch_size = arguments.check_batch_size(options, at, args)
+  batch_size = arguments.check_batch_size(num_microbatches, batch_argnums, at, args)
   per_step = devices * num_microbatches
   if batch_size % per_step:
     rows = batch_size // devices

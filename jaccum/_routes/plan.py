@@ -34,6 +34,7 @@ from jaccum._core import (
   step,
 )
 from jaccum._core.accumulators import Choice
+from jaccum._core.microbatch import Split
 from jaccum._routes import arguments, mesh, routes, rules
 from jaccum._routes.options import Options
 
@@ -114,6 +115,72 @@ class Plan(NamedTuple):
   layout: mesh.Layout | None = None
 
 
+class Decisions(NamedTuple):
+  """What each option decides, read once from `Options` (`decide`).
+
+  Attributes:
+    function: the user's function (`grad_fn`).
+    argnums: `(batch_argnums, rng_argnum, state_argnum)`, resolved per call.
+    num_microbatches: K.
+    split: the micro-batch order.
+    choice: `(reduce, accum_dtype)`, for each leaf's accumulator.
+    exact: `deterministic=True`: exact accumulators and weights (whose wire
+      is the integer psum), the global micro-batch order and key index, and
+      a count's global meaning on a batch `accumulate` shards.
+    rewrites: what the traced step goes through, besides the route's own:
+      convolutions into XLA:CPU's layout (`conv_rewrite`), divisions as
+      reciprocals (`deterministic`).
+    weight_fn: how micro-batches are weighed, or None.
+    grad_leaves: which outputs are gradients, or None to find them.
+    stats: `return_stats`.
+    driver: `(unroll, overlap_reduction)`.
+    wire: `reduce_dtype`, or None.
+    hook: `reduce_fn`, or None.
+    where: `(axis_name, on_mesh)`: which route.
+  """
+
+  function: step.Function
+  argnums: tuple[Any, Any, Any]
+  num_microbatches: int
+  split: Split
+  choice: tuple[Any, Any]
+  exact: bool
+  rewrites: tuple[Callable[..., Any], ...]
+  weight_fn: Callable[..., Any] | None
+  grad_leaves: Any
+  stats: bool
+  driver: tuple[Any, bool]
+  wire: Any
+  hook: Callable[..., Any] | None
+  where: tuple[Any, Any]
+
+
+def decide(options: Options) -> Decisions:
+  """Every option read, once: the pieces the plan hands the stages."""
+  found: list[Callable[..., Any]] = []
+  if options.conv_rewrite and jax.default_backend() == "cpu":
+    # On CPU, convolutions in a loop body miss XLA's fast layout.
+    found.append(rewrites.canonicalize_convolutions)
+  if options.deterministic:
+    found.append(rewrites.divisions_as_reciprocals)
+  return Decisions(
+    options.function,
+    (options.batch_argnums, options.rng_argnum, options.state_argnum),
+    options.num_microbatches,
+    options.split,
+    (options.reduce, options.accum_dtype),
+    options.deterministic,
+    tuple(found),
+    options.weight_fn,
+    options.grad_leaves,
+    options.return_stats,
+    (options.unroll, options.overlap_reduction),
+    options.reduce_dtype,
+    options.reduce_fn,
+    (options.axis_name, options.on_mesh),
+  )
+
+
 def run(options: Options, call: Call) -> Any:
   """One call: its plan (made once per trace), run on its route."""
   plan = make(options, call)
@@ -123,18 +190,20 @@ def run(options: Options, call: Call) -> Any:
 def make(options: Options, call: Call) -> Plan:
   """The plan of one call. Falls back to the whole batch's step where the
   function cannot run per device (with a warning naming the cause)."""
-  at = arguments.positions(options, call.args, call.kwargs)
-  route = routes.choose(options, at, call)
+  d = decide(options)
+  at = arguments.positions(*d.argnums, call.args, call.kwargs)
+  cut = (d.num_microbatches, d.argnums[0])
+  route = routes.choose(d.where, cut, d.function, d.hook is not None, at, call)
   try:
-    return _planned(options, call, at, route)
+    return _planned(options, d, call, at, route)
   except Exception as error:
     if not isinstance(route, mesh.PerDevice) or not step.is_user_error(error):
       raise  # jaccum's own: the options or the output are wrong either way
-    whole = routes.whole_batch(options, at, call, route, error)
+    whole = routes.whole_batch(d.split, d.num_microbatches, at, call, route, error)
   if whole.reordered:  # each device's contiguous micro-batch k, strided
-    options = options.replace(split="strided")
+    d = d._replace(split="strided")
   try:
-    plan = _planned(options, call, at, whole)
+    plan = _planned(options, d, call, at, whole)
   except Exception as whole_batch_error:
     raise whole_batch_error from whole.cause
   routes.warn_whole_batch(whole)
@@ -150,25 +219,14 @@ def local_loop(
 ) -> tuple[loop.LoopPlan, loop.Carry]:
   """One loop over this device's rows, planned and run where it is called
   (`accumulate_coupled`'s two passes): its plan and its carry."""
-  rows = arguments.check_batch_size(options, at, args) // options.num_microbatches
-  route: Any = routes.OneDevice(rows)
+  d = decide(options)
+  rows = arguments.check_batch_size(d.num_microbatches, d.argnums[0], at, args)
+  route: Any = routes.OneDevice(rows // d.num_microbatches)
   if axes is not None:
-    route = routes.InShardMap(rows, axes, jax.lax.axis_size(axes))
-  planned = _planned(options, Call(tuple(args), kwargs), at, route)
-  return planned.loop, loop.run(planned.loop, options.function, args, kwargs)
-
-
-def _rewrites(options: Options, axes: Any, exact: bool) -> list[Callable[..., Any]]:
-  """What the traced micro-step goes through before the loop runs it."""
-  found: list[Callable[..., Any]] = []
-  if axes is not None:
-    found.append(lambda closed: rewrites.strip_constraints(closed, axes))
-  if options.conv_rewrite and jax.default_backend() == "cpu":
-    # On CPU, convolutions in a loop body miss XLA's fast layout.
-    found.append(rewrites.canonicalize_convolutions)
-  if exact:
-    found.append(rewrites.divisions_as_reciprocals)
-  return found
+    devices = jax.lax.axis_size(axes)
+    route = routes.InShardMap(rows // d.num_microbatches, axes, devices)
+  planned = _planned(options, d, Call(tuple(args), kwargs), at, route)
+  return planned.loop, loop.run(planned.loop, d.function, args, kwargs)
 
 
 def _closures(closed: Any, names: Sequence[str], axes: tuple[str, ...]) -> None:
@@ -183,39 +241,43 @@ def _closures(closed: Any, names: Sequence[str], axes: tuple[str, ...]) -> None:
 
 
 def _traced(
-  options: Options, call: Call, route: Any, inputs: loop.Inputs, count: Any
+  d: Decisions, call: Call, route: Any, inputs: loop.Inputs, count: Any
 ) -> tuple[Any, step.MicroStep]:
   """The user's function traced where the loop runs it, on micro-batch 0, and
   the route (lifted where the function could only be traced outside it)."""
   at, axes = inputs.at, route.axes
   sharded = route.fsdp.params if route.fsdp is not None else ()
-  rewrites = _rewrites(options, axes, inputs.global_order)
+  rewritten = d.rewrites
+  if axes is not None:  # each device holds its rows: no constraint names them
+    strip = functools.partial(rewrites.strip_constraints, axes=axes)
+    rewritten = (strip, *rewritten)
 
   def trace_here(route, function, args, kwargs, local_count, consts):
     prepared = inputs(function, args, kwargs, local_count)
     state0 = None if at.state is None else prepared.args[at.state]
     lift = route.lift(consts)
-    traced = step.trace(function, prepared, state0, options.weight_fn, sharded, lift)
+    traced = step.trace(function, prepared, state0, d.weight_fn, sharded, lift)
     closures = []
     if axes is not None:
       batch = [prepared.args[i] for i in at.batch]
       closures = step.closures_summed(traced.closed, batch, axes)
     # Rewritten here too: a rewrite traces equations on the step's types.
-    return step.rewritten(traced, rewrites), closures
+    return step.rewritten(traced, rewritten), closures
 
   here = lambda route: functools.partial(trace_here, route)
   try:
-    traced, closures = route.in_context(options.function, call, count, here(route))
+    traced, closures = route.in_context(d.function, call, count, here(route))
   except retype.Retrace as retrace:
     ((outside,), cause) = retrace.outside, retrace.cause
     route = route.lifted(outside)
     try:
-      traced, closures = route.in_context(options.function, call, count, here(route))
+      traced, closures = route.in_context(d.function, call, count, here(route))
     except Exception as error:
       if step.is_user_error(error) and cause is not None:
         raise cause from error  # what the whole batch's route names
       raise
   if closures:
+    assert axes is not None  # found only inside a shard_map
     _closures(traced.closed, closures, axes)
   return route, traced
 
@@ -240,10 +302,12 @@ def _scattered_in_loop(
   return jax.tree.unflatten(treedef, flat), outputs
 
 
-def _planned(options: Options, call: Call, at: step.Positions, route: Any) -> Plan:
-  exact = options.deterministic  # its effects, decided here alone
-  num_microbatches = options.num_microbatches
-  count = route.count(call.count, num_microbatches, exact)
+def _planned(
+  options: Options, d: Decisions, call: Call, at: step.Positions, route: Any
+) -> Plan:
+  """The plan of one call on `route`. `options` only reach the rules."""
+  num_microbatches = d.num_microbatches
+  count = route.count(call.count, num_microbatches, d.exact)
   count_varies = route.count_varies or (count is not None and np.ndim(count) == 1)
   state = None if at.state is None else call.args[at.state]
   sharded_mode = None
@@ -268,14 +332,14 @@ def _planned(options: Options, call: Call, at: step.Positions, route: Any) -> Pl
   )
   rules.check("plan", facts)
   inputs = loop.Inputs(
-    at, (num_microbatches, options.split), route.rows, route.axes, exact, count_varies
+    at, (num_microbatches, d.split), route.rows, route.axes, d.exact, count_varies
   )
-  route, traced = _traced(options, call, route, inputs, count)
-  return _from_step(options, call, at, route, inputs, traced, count, facts)
+  route, traced = _traced(d, call, route, inputs, count)
+  return _from_step(d, call, at, route, inputs, traced, count, facts)
 
 
 def _from_step(
-  options: Options,
+  d: Decisions,
   call: Call,
   at: step.Positions,
   route: Any,
@@ -287,20 +351,15 @@ def _from_step(
   """The rest of the plan, from the traced micro-step's output."""
   exact, out_shape = inputs.global_order, traced.out_shape
   weighted = traced.weight_shape is not None or count is not None
-  accs = accumulators.choose(
-    Choice(options.reduce, options.accum_dtype, route.rows, options.split, exact,
-           weighted),
-    out_shape,
-  )  # fmt: skip
-  needed_by = "return_stats=True" if options.return_stats else None
+  choice = Choice(*d.choice, route.rows, d.split, exact, weighted)
+  accs = accumulators.choose(choice, out_shape)
+  needed_by = "return_stats=True" if d.stats else None
   if needed_by is None and route.hows is not None:
     needed_by = "FSDP (param_specs)"
-  params = arguments.params_of(options.function.bound_args, at, call.args)
-  grad_mask = arguments.gradient_mask(
-    out_shape, params, options.grad_leaves, accs, needed_by
-  )
+  params = arguments.params_of(d.function.bound_args, at, call.args)
+  grad_mask = arguments.gradient_mask(out_shape, params, d.grad_leaves, accs, needed_by)
   accs, scattered = _scattered_in_loop(
-    accs, grad_mask, route, options.reduce_dtype, len(traced.closed.jaxpr.outvars)
+    accs, grad_mask, route, d.wire, len(traced.closed.jaxpr.outvars)
   )
   flat = jax.tree.leaves(accs, is_leaf=accumulators.is_accumulator)
   layout = None
@@ -320,24 +379,23 @@ def _from_step(
       accs,
       route.rows,
       route.axes,
-      lambda n: arguments.output_shapes_at(options, at, call.args, call.kwargs, n),
+      lambda n: arguments.output_shapes_at(d.function, at, call.args, call.kwargs, n),
     )
-  loop_plan = _loop(options, inputs, traced, accs, scattered, grad_mask, count, route)
-  red = _reduction(options, route, accs, grad_mask, layout, call)
-  num_terms = options.num_microbatches * route.devices
+  loop_plan = _loop(d, inputs, traced, accs, scattered, grad_mask, count, route)
+  red = _reduction(d, route, accs, grad_mask, layout, call)
+  num_terms = d.num_microbatches * route.devices
   stats_out = None
-  if options.return_stats:
+  if d.stats:
     exact_sums = any(isinstance(a, accumulators.Exact) for a in flat)
     stats_out = StatsOut(route.rows, num_terms, exact_sums)
   output = Output(
-    num_terms, at.state is not None, stats_out, options.reduce_fn is not None, grad_mask
+    num_terms, at.state is not None, stats_out, d.hook is not None, grad_mask
   )
-  function = options.function
-  return Plan(route, function, loop_plan, red, count, output, layout)
+  return Plan(route, d.function, loop_plan, red, count, output, layout)
 
 
 def _loop(
-  options: Options,
+  d: Decisions,
   inputs: loop.Inputs,
   traced: step.MicroStep,
   accs: Any,
@@ -353,7 +411,7 @@ def _loop(
       np.float32 if traced.weight_shape is None else traced.weight_shape.dtype
     )
     weighing = loop.Weighing(
-      options.weight_fn,
+      d.weight_fn,
       None if traced.weight_shape is not None else route.rows,
       accumulators.weights_dtype(weight_dtype, accs),
       inputs.global_order,
@@ -364,11 +422,9 @@ def _loop(
     # FSDP's collectives inside the loop need every device: the idle ones
     # join with a weight of 0.
     lockstep = route.axes
-  driver = loop.Driver(
-    options.num_microbatches, options.unroll, options.overlap_reduction, lockstep
-  )
+  driver = loop.Driver(d.num_microbatches, *d.driver, lockstep)
   measure = None
-  if options.return_stats:
+  if d.stats:
     whole = jax.tree.map(
       lambda on, a: on and not isinstance(a, accumulators.Scattered),
       grad_mask,
@@ -381,7 +437,7 @@ def _loop(
 
 
 def _reduction(
-  options: Options,
+  d: Decisions,
   route: Any,
   accs: Any,
   grad_mask: Any,
@@ -392,7 +448,7 @@ def _reduction(
   if not route.on_devices:
     return None
   grad_part = None
-  if options.reduce_fn is not None:
+  if d.hook is not None:
     grad_part = arguments.gradient_part(grad_mask)
     for acc, on in zip(
       jax.tree.leaves(accs, is_leaf=accumulators.is_accumulator),
@@ -408,10 +464,10 @@ def _reduction(
     arguments.check_reduce_state(call.reduce_state, rows, route.axes)
   return reduction.Reduction(
     route.axes,
-    options.num_microbatches * route.devices,
-    options.reduce_dtype,
+    d.num_microbatches * route.devices,
+    d.wire,
     None if layout is None else layout.scatter,
-    options.reduce_fn,
+    d.hook,
     grad_mask,
     grad_part,
   )

@@ -225,11 +225,16 @@ def _batch_order(x: jax.Array, num_devices: int, num_microbatches: int) -> jax.A
 
 
 def whole_batch(
-  options: Any, at: Positions, call: Any, route: mesh.PerDevice, error: Exception
+  split: str,
+  num_microbatches: int,
+  at: Positions,
+  call: Any,
+  route: mesh.PerDevice,
+  error: Exception,
 ) -> WholeBatch:
   """`route`'s call laid out for the whole batch's step: the batch split over
   the data axes as the per-device loop has it, in its micro-batches' order."""
-  reordered = options.split == "contiguous" and route.devices > 1
+  reordered = split == "contiguous" and route.devices > 1
   args = list(call.args)
 
   def lay_out(x):
@@ -238,7 +243,7 @@ def whole_batch(
     rest = (arguments.spec_of(x) or P())[1:] if route.explicit else ()
     x = placement.place(x, route.mesh, P(route.axes, *rest), route.explicit)
     if reordered:
-      return _device_order(x, route.devices, options.num_microbatches)
+      return _device_order(x, route.devices, num_microbatches)
     return x
 
   for i in at.batch:
@@ -328,12 +333,18 @@ def _warn_per_device_state(axes: tuple[str, ...]) -> None:
 
 
 def _per_device(
-  options: Any, at: Positions, call: Any, the_mesh: Any, on_mesh: Any, by_batch: bool
+  cut: tuple[int, tuple[int, ...]],
+  function: Function,
+  hooked: bool,
+  at: Positions,
+  call: Any,
+  on_mesh: Any,
+  by_batch: bool,
 ) -> Any:
   """`data_parallel`'s route (or `accumulate`'s on an explicit-mesh batch)."""
-  axes = on_mesh.axes
+  axes, the_mesh = on_mesh.axes, on_mesh.mesh
   devices, rows, explicit = mesh.check_mesh_and_batch(
-    options, at, call.args, the_mesh, axes
+    *cut, at, call.args, the_mesh, axes
   )
   specs = placement.fsdp_specs(
     on_mesh.param_specs, call.args, at, axes, explicit, the_mesh.shape
@@ -347,9 +358,9 @@ def _per_device(
     if on_mesh.fsdp_mode == "shard_all":
       kept = list(hows)
     plan_fsdp = fsdp.Plan(params=kept, grads=hows)
-  one = devices == 1 and the_mesh.size > 1 and options.reduce_fn is None
+  one = devices == 1 and the_mesh.size > 1 and not hooked
   laid_out, placed, in_specs = placement.placed_call(
-    options.function,
+    function,
     at,
     call.args,
     call.kwargs,
@@ -378,23 +389,34 @@ def _per_device(
   )
 
 
-def choose(options: Any, at: Positions, call: Any) -> Any:
-  """The route of one call: where its loop runs."""
-  if options.axis_name is not None:
-    devices = arguments.check_axes_bound(options.axis_name)
-    rows = (
-      arguments.check_batch_size(options, at, call.args) // options.num_microbatches
-    )
+def choose(
+  where: tuple[Any, Any],
+  cut: tuple[int, tuple[int, ...]],
+  function: Function,
+  hooked: bool,
+  at: Positions,
+  call: Any,
+) -> Any:
+  """The route of one call: where its loop runs.
+
+  `where` is `(axis_name, on_mesh)`, `cut` `(K, batch_argnums)`; `hooked`:
+  a `reduce_fn` needs a reduction over devices.
+  """
+  axis_name, on_mesh = where
+  num_microbatches = cut[0]
+  if axis_name is not None:
+    devices = arguments.check_axes_bound(axis_name)
+    rows = arguments.check_batch_size(*cut, at, call.args) // num_microbatches
     count_varies = call.count is not None and bool(
-      step.varying_axes(call.count) & set(options.axis_name)
+      step.varying_axes(call.count) & set(axis_name)
     )
-    return InShardMap(rows, options.axis_name, devices, count_varies)
-  on_mesh, by_batch = options.on_mesh, False
+    return InShardMap(rows, axis_name, devices, count_varies)
+  by_batch = False
   if on_mesh is None:
     found = arguments.explicit_batch_axes(call.args, at)
     if found is None:
-      rows = arguments.check_batch_size(options, at, call.args)
-      return OneDevice(rows // options.num_microbatches)
+      rows = arguments.check_batch_size(*cut, at, call.args)
+      return OneDevice(rows // num_microbatches)
     the_mesh, axes = found
     on_mesh, by_batch = Mesh(the_mesh, axes), True
     if at.state is not None and any(
@@ -404,8 +426,6 @@ def choose(options: Any, at: Positions, call: Any) -> Any:
       # Floating state (BatchNorm statistics) would be per device; counters
       # and keys advance exactly as unsharded.
       _warn_per_device_state(axes)
-  else:
-    the_mesh = on_mesh.mesh
-    if the_mesh is None:
-      the_mesh = placement.find_mesh(call.args, at)
-  return _per_device(options, at, call, the_mesh, on_mesh, by_batch)
+  elif on_mesh.mesh is None:
+    on_mesh = dataclasses.replace(on_mesh, mesh=placement.find_mesh(call.args, at))
+  return _per_device(cut, function, hooked, at, call, on_mesh, by_batch)
