@@ -524,7 +524,7 @@ def scatter(acc: Acc, how: Any, axes: Sequence[str]) -> Total:
   """The exact sum over `axes`, each device keeping the slice `how` scatters.
 
   The bins are aligned over every axis of `axes`, reduce-scattered over
-  `how.axes` (an `_fsdp.Sharded`) and summed over the others, all in int32.
+  `how.axes` (an `fsdp.Sharded`) and summed over the others, all in int32.
   """
   axes = tuple(axes)
   ((top, bad),) = _global_tops([acc], axes)

@@ -9,7 +9,7 @@ jaxpr's constants), and the program the loop evaluates, rewritten where the
 loop needs it (the data axes out of sharding constraints; on CPU,
 convolutions into XLA's fast layout). Inside `data_parallel`'s `shard_map`,
 a function JAX will not trace there (it closes over arrays on an explicit
-mesh) is traced outside it instead and run retyped (`Lift`, `_retype`).
+mesh) is traced outside it instead and run retyped (`Lift`, `retype`).
 `MicroStep` evaluates that program on micro-batch k, whole or, for FSDP's
 sharded modes, with params gathered where used and gradients scattered where
 made.
@@ -116,7 +116,7 @@ class Function(NamedTuple):
 def mark_user_error(error: Exception) -> None:
   """Marks an error as raised while tracing the user's function, not by jaccum.
 
-  `_parallel` runs the function per device under `shard_map` and, where JAX
+  The per-device route runs the function per device under `shard_map` and, where JAX
   refuses it there, as the whole batch would run; jaccum's own errors (bad
   options, a missing gradient) must reach the user as they are instead.
   """

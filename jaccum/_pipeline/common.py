@@ -17,7 +17,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
-from jaccum._core import retype as _retype
+from jaccum._core import retype
 from jaccum._pipeline.tables import (
   PipelineSchedule,
   _Ticks,
@@ -135,18 +135,18 @@ class Lift(NamedTuple):
   """
 
   mesh: Any
-  lifted: list[_retype.Outside] | None
+  lifted: list[retype.Outside] | None
   consts: Sequence[Any]
 
 
 def _trace(
   fn: Callable[..., Any], example: Sequence[Any], lift: Lift, index: int
-) -> tuple[Traced | None, Any, _retype.Outside]:
+) -> tuple[Traced | None, Any, retype.Outside]:
   """`fn` (the `index`th of the user's functions) traced on `example`.
 
   Returns `(traced, out_shape, outside)`. On the first run `fn` is traced
   inside `shard_map`, or where that fails (it closes over arrays on an
-  explicit mesh), outside it (`_retype.lift`; `traced` is then None);
+  explicit mesh), outside it (`retype.lift`; `traced` is then None);
   `outside` holds what it closes over. On the second, the first run's
   program runs retyped with those as `lift.consts`, `fn` not traced again.
   """
@@ -159,14 +159,14 @@ def _trace(
   except Exception as error:
     if lift.lifted is not None:
       raise
-    outside = _retype.lift(fn, example, lift.mesh, error)
+    outside = retype.lift(fn, example, lift.mesh, error)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outside.closed.out_avals]
     return None, jax.tree.unflatten(outside.out_tree, shapes), outside
   hoisted = tuple(i for i, c in enumerate(closed.consts) if isinstance(c, Tracer))
   out_tree = jax.tree.structure(out_shape)
-  lifted = tuple(i for i, c in enumerate(closed.consts) if _retype.is_hoisted(c))
+  lifted = tuple(i for i, c in enumerate(closed.consts) if retype.is_hoisted(c))
   traced = Traced(closed, hoisted, out_tree)
-  return traced, out_shape, _retype.Outside(closed, lifted, out_tree)
+  return traced, out_shape, retype.Outside(closed, lifted, out_tree)
 
 
 def trace_user_functions(
@@ -182,7 +182,7 @@ def trace_user_functions(
   their dtypes, its rows of x and targets, the key as data, its state): the
   programs then have the device's types. What the functions close over
   (arrays, values traced outside) crosses into `shard_map` as inputs: the
-  first run raises `_retype.Retrace` with it, the second gets it (`lift`).
+  first run raises `retype.Retrace` with it, the second gets it (`lift`).
   """
   params, param_dtypes, x, targets, key, state = inputs
 
@@ -221,7 +221,7 @@ def trace_user_functions(
     outsides.append(head_outside)
     _check_loss(value)
   if lift.lifted is None and any(o.hoisted for o in outsides):
-    raise _retype.Retrace(outsides, None)
+    raise retype.Retrace(outsides, None)
   assert stage is not None and (head is not None or loss_fn is None)
   return stage, head
 

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
-from jaccum._pipeline import backward as _pipeline_backward
-from jaccum._pipeline import common
+from jaccum._pipeline import backward, common
 from jaccum._pipeline.tables import (
   KINDS,
   zero_bubble_tables,
@@ -23,7 +22,7 @@ from jaccum._pipeline.tables import (
 
 
 class _WeightSplit:
-  """The stage's backward as B and W (`_pipeline_backward.split`), and where
+  """The stage's backward as B and W (`backward.split`), and where
   what each reads waits.
 
   B reads some residuals and the output's cotangent, and hands W the values
@@ -56,7 +55,7 @@ class _WeightSplit:
     is_b = [False] * (self.num_param_grads + num_const_grads)
     # The cotangent waits until B: W gets what it reads of it through B.
     self.num_residuals = num = len(residuals.all_like)
-    self.split = _pipeline_backward.split(
+    self.split = backward.split(
       closed,
       is_b + [True] * self.num_input_grads,
       through_b=range(num, len(closed.jaxpr.invars)),

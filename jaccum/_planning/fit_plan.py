@@ -24,7 +24,7 @@ micro-batch (caches, kernel choice, per-kernel overhead). With `measure=`,
 the step is then timed on the device: the model's choice first (the search
 compiled it), then points spread over the grid among those the model ranks
 near its choice, then the neighbours of the fastest measured, in interleaved
-rounds within a time bound (`_timing`), and the plan is the fastest
+rounds within a time bound (`timing`), and the plan is the fastest
 measured.
 """
 

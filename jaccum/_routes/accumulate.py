@@ -311,10 +311,15 @@ def data_parallel(
   `functools.partial`): it runs on each device's rows exactly as it would on
   one device (under `shard_map` without type checks, as under `pmap`), so
   any model that runs on one device runs here, and a closed-over array gets
-  its gradient, not the gradient summed over devices. On an explicit mesh
-  JAX cannot pass arrays placed on the mesh into `shard_map` by closure;
-  such a `grad_fn` runs as the whole-batch step would, on the sharded batch,
-  with a warning (exact, but XLA may communicate inside the loop). Code that
+  its gradient, not the gradient summed over devices. On an explicit mesh,
+  where JAX cannot pass arrays placed on the mesh into `shard_map` by
+  closure, `grad_fn` is traced outside it and its program runs per device
+  with those arrays as inputs (so too where it names `axis` in an
+  `out_sharding`: each device holds its rows). What cannot run per device
+  either runs as the whole-batch step would, on the sharded batch, with the
+  same micro-batches and a warning that says what differs (XLA may
+  communicate inside the loop; `deterministic`, `return_stats`,
+  `state_argnum`, `reduce_fn` and a count are refused there). Code that
   names `axis` runs per micro-batch across devices: `lax.pmean(x, axis)`
   gives synchronised BatchNorm statistics (one all-reduce per micro-batch).
 
@@ -363,7 +368,9 @@ def data_parallel(
     num_microbatches: micro-batches per device, K.
     mesh: the device mesh; defaults to the mesh set with `jax.set_mesh`, else
       the mesh of the batch's sharding.
-    axis: the mesh axis (or axes) the batch is split over.
+    axis: the mesh axis (or axes) the batch is split over; defaults to
+      `"data"`: pass it when your mesh names its batch axis otherwise (e.g.
+      `axis="batch"`).
     param_specs: a `PartitionSpec` per leaf of the first argument (or a pytree
       prefix of it), naming only `axis`, for FSDP; `None` replicates it (or,
       on an explicit mesh, reads its sharding).
@@ -382,9 +389,9 @@ def data_parallel(
     modes, whose collectives inside the loop need every device: there the
     devices run in step, as many micro-batches as the busiest, the others
     joining with a weight of 0). `"mean"`, `"sum"`, `"max"` and
-    `"min"` leaves come back replicated, gradients of FSDP-sharded params
-    sharded like them, `"concat"` and `"last"` leaves (one row per example)
-    sharded over `axis`, in the batch's row order.
+    `"min"` leaves come back replicated (`"last"` too with `deterministic`),
+    gradients of FSDP-sharded params sharded like them, `"concat"` and
+    `"last"` leaves (one row per example) sharded over `axis`, in row order.
 
   Raises:
     TypeError, ValueError: as `accumulate` does, and if `axis` is not a mesh

@@ -405,7 +405,7 @@ class _MultiSteps:
     """`_update` with the window summed exactly (`deterministic=True`).
 
     Each accepted mini-step adds `w·g` (`g` without weights) to exact sums
-    (`_exact`): the window's mean is the same bits in any order of its
+    (`exact`): the window's mean is the same bits in any order of its
     mini-steps, and equals `accumulate(..., deterministic=True)` over the same
     micro-batch gradients. A window ends at `exact.MAX_TERMS` mini-steps
     (counted in `num_clamped` when the schedule asked for more), so its int32
