@@ -10,9 +10,10 @@ one reduction over devices; and how the result is assembled. `run` hands it
 to its route. Below the plan nothing reads an option and nothing validates.
 
 `deterministic=True` is decided here into its effects: the global
-micro-batch order and key index (`LoopPlan.global_order`, and the count's
-global meaning on a sharded batch), exact accumulators and weights (whose
-wire is the integer psum), and the division rewrite of the traced step.
+micro-batch order and key index (`loop.Inputs.global_order`, and the
+count's global meaning on a sharded batch), exact accumulators and weights
+(whose wire is the integer psum), and the division rewrite of the traced
+step (`decide`).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def local_loop(
   return planned.loop, loop.run(planned.loop, d.function, args, kwargs)
 
 
-def _closures(closed: Any, names: Sequence[str], axes: tuple[str, ...]) -> None:
+def _closures(names: Sequence[str], axes: tuple[str, ...]) -> None:
   raise ValueError(
     f"grad_fn differentiates arrays it reaches other than through its arguments "
     f"(closed over: {', '.join(names)}), and they are the same on every "
@@ -278,7 +279,7 @@ def _traced(
       raise
   if closures:
     assert axes is not None  # found only inside a shard_map
-    _closures(traced.closed, closures, axes)
+    _closures(closures, axes)
   return route, traced
 
 
