@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_close
+from jax.sharding import PartitionSpec as P
 
 import jaccum
 from jaccum._core import clipping, ghost
@@ -275,3 +276,359 @@ def describe(loss, params, batch):
 def test_which_uses_take_the_ghost_path(name):
   loss, params, batch = setup(name, jnp.float32)
   assert describe(loss, params, batch) == dict(sorted(PATHS[name].items()))
+
+
+def test_a_count_and_a_mask_serve_every_batch_size_with_one_compilation():
+  """A batch padded at its end: `num_real_microbatches` skips the micro-batches
+  of padding, the mask the padding rows of the last real one."""
+  traces = []
+
+  def counted(params, batch):
+    traces.append(1)
+    return mlp_loss(params, batch)
+
+  with jax.enable_x64(True):
+    _, params, batch = setup("mlp")
+    step = private(counted, 8, split="contiguous")
+    for real in (16, 11, 5, 2):
+      count = -(-real // 2)  # micro-batches of 2 rows holding real rows
+      mask = np.arange(ROWS) < real
+      out = step(params, batch, example_mask=mask, num_real_microbatches=count)
+      first = jax.tree.map(lambda x, real=real: x[:real], batch)
+      loss, grads, norms = reference(mlp_loss, params, first, normalize_by=ROWS)
+      check(out, (loss, grads, np.pad(norms, (0, ROWS - real))), 1e-12)
+  assert len(traces) == 1
+
+
+def test_a_count_without_a_split_names_the_split():
+  _, params, batch = setup("mlp", jnp.float32)
+  with pytest.raises(ValueError, match='split="contiguous"'):
+    private(mlp_loss, 4)(params, batch, num_real_microbatches=2)
+
+
+def on_mesh(devices):
+  return jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eight_devices_match_the_reference(name):
+  with jax.enable_x64(True):
+    loss, params, batch = setup(name)
+    mask = some_mask()
+    step = private(loss, 2, mesh=on_mesh(8))
+    check(
+      step(params, batch, example_mask=mask),
+      reference(loss, params, batch, mask),
+      1e-12,
+    )
+
+
+def test_eight_devices_with_counts_per_device():
+  """Each device runs its own count of its rows; the mask marks the rest."""
+  with jax.enable_x64(True):
+    _, params, batch = setup("mlp", rows=32)
+    counts = np.array([2, 0, 1, 2, 2, 1, 0, 2])  # of 2 micro-batches of 2 rows
+    rows = np.arange(32).reshape(8, 4)
+    real = (rows % 4) < 2 * counts[:, None]
+    mask = real.reshape(-1) & some_mask(32)
+    step = private(mlp_loss, 2, mesh=on_mesh(8), split="contiguous")
+    out = step(params, batch, example_mask=mask, num_real_microbatches=counts)
+    expected = reference(mlp_loss, params, batch, mask)
+    check(out, expected, 1e-12)
+
+
+def test_inside_the_users_shard_map():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.enable_x64(True):
+    _, params, batch = setup("mlp", rows=32)
+    mask = some_mask(32)
+    grad_fn = jaccum.dp_value_and_grad(
+      mlp_loss, 2, l2_clip_norm=C, noise_multiplier=0.0, axis_name="data"
+    )
+    step = jax.jit(
+      jax.shard_map(
+        lambda p, b, m: grad_fn(p, b, example_mask=m),
+        mesh=mesh,
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=(P(), P()),
+      )
+    )
+    loss, grads = step(params, batch, mask)
+    want_loss, want_grads, _ = reference(mlp_loss, params, batch, mask)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-12)
+    assert_trees_close(grads, want_grads, 1e-12)
+
+
+def test_fsdp_gather_once():
+  """Params sharded over the data axis: their gradients leave sharded too."""
+  with jax.enable_x64(True):
+    _, params, batch = setup("mlp")
+    specs = {k: P("data") if k == "w1" else P() for k in params}
+    step = private(mlp_loss, 2, mesh=on_mesh(8), param_specs=specs)
+    mask = some_mask()
+    out = step(params, batch, example_mask=mask)
+    check(out, reference(mlp_loss, params, batch, mask), 1e-12)
+    assert out[1]["w1"].sharding.spec[0] == "data"
+
+
+def test_a_model_with_sharding_constraints_runs():
+  """The constraints name the batch axis: one example's program reads them as
+  values (jax_privacy's per-example vmap fails on them)."""
+  auto = jax.sharding.AxisType.Auto
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(auto,))
+  rows = jax.sharding.NamedSharding(mesh, P("data"))
+
+  def constrained(params, batch):
+    h = jax.lax.with_sharding_constraint(batch["x"], rows)
+    for i in range(2):
+      h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+      h = jax.lax.with_sharding_constraint(h, rows)
+    return cross_entropy(h @ params["w2"] + params["b2"], batch["y"])
+
+  with jax.enable_x64(True):
+    _, params, batch = setup("mlp")
+    mask = some_mask()
+    for norms in ("auto", "vmap"):
+      step = private(constrained, 2, mesh=mesh, norms=norms)
+      out = step(params, batch, example_mask=mask)
+      check(out, reference(mlp_loss, params, batch, mask), 1e-12)
+
+
+def test_an_nnx_model_of_params_alone():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden = nnx.Linear(6, 16, rngs=rngs, param_dtype=jnp.float64)
+      self.norm = nnx.LayerNorm(16, rngs=rngs, param_dtype=jnp.float64)
+      self.out = nnx.Linear(16, 3, rngs=rngs, param_dtype=jnp.float64)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.norm(self.hidden(x))))
+
+  def loss_fn(model, x, y):
+    return cross_entropy(model(x), y)
+
+  with jax.enable_x64(True):
+    model = Model(nnx.Rngs(0))
+    _, _, batch = setup("mlp")
+    mask = some_mask()
+    step = jaccum.nnx.dp_value_and_grad(
+      loss_fn, 4, l2_clip_norm=C, noise_multiplier=0.0, return_norms=True
+    )
+    loss, grads, norms = nnx.jit(step)(model, batch["x"], batch["y"], example_mask=mask)
+    graphdef, params = nnx.split(model)
+    pure = lambda p, b: loss_fn(nnx.merge(graphdef, p), b["x"], b["y"])
+    want_loss, want_grads, want_norms = reference(pure, params, batch, mask)
+    assert isinstance(grads, nnx.State)
+    check((loss, grads, norms), (want_loss, want_grads, want_norms), 1e-12)
+
+
+def test_an_nnx_model_with_batch_statistics_is_refused_by_name():
+  from flax import nnx
+
+  model = nnx.Sequential(
+    nnx.Linear(6, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+  )
+  step = jaccum.nnx.dp_value_and_grad(
+    lambda m, x: m(x).sum(-1), 2, l2_clip_norm=1.0, noise_multiplier=0.0
+  )
+  with pytest.raises(ValueError, match=r"layers/1/mean \(BatchStat\).*couples|mix"):
+    step(model, jnp.ones((4, 6)))
+
+
+def noise_of(devices, num_microbatches, key, sigma=1.3, **options):
+  """The noise `dp_value_and_grad` adds, on `devices` devices: noisy - clean."""
+  _, params, batch = setup("mlp", jnp.float32, rows=16)
+  params = {**params, "wide": jnp.zeros((64, 64))}  # more draws per call
+  loss = lambda p, b: mlp_loss(p, b) + 0 * jnp.sum(p["wide"])
+  mesh = {} if devices == 1 else {"mesh": on_mesh(devices)}
+  noisy = jaccum.dp_value_and_grad(
+    loss,
+    num_microbatches,
+    l2_clip_norm=0.7,
+    noise_multiplier=sigma,
+    normalize_by=5.0,
+    **mesh,
+    **options,
+  )
+  clean = jaccum.dp_value_and_grad(
+    loss,
+    num_microbatches,
+    l2_clip_norm=0.7,
+    noise_multiplier=0.0,
+    normalize_by=5.0,
+    **mesh,
+    **options,
+  )
+  _, with_noise = jax.jit(noisy)(params, batch, noise_key=key)
+  _, without = jax.jit(clean)(params, batch)
+  return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), with_noise, without)
+
+
+def test_the_noise_has_std_sigma_c_over_normalize_by_on_eight_devices():
+  draws = np.concatenate(
+    [
+      np.concatenate(
+        [x.ravel() for x in jax.tree.leaves(noise_of(8, 1, jax.random.key(i)))]
+      )
+      for i in range(8)
+    ]
+  )
+  assert draws.size > 30_000
+  want = 1.3 * 0.7 / 5.0
+  assert abs(draws.std() / want - 1) < 0.03, draws.std() / want
+  assert abs(draws.mean()) < 3 * want / np.sqrt(draws.size)
+
+
+def test_the_noise_is_the_same_on_any_number_of_devices():
+  key = jax.random.key(7)
+  one = noise_of(1, 8, key)
+  for devices in (2, 4, 8):
+    assert_trees_close(noise_of(devices, 8 // devices, key), one, 1e-5)
+
+
+def test_deterministic_gives_the_same_bits_whatever_k_and_the_devices():
+  key = jax.random.key(3)
+  _, params, batch = setup("lm", jnp.float32, rows=16)
+  mask = some_mask()
+
+  def run(devices, num_microbatches):
+    mesh = {} if devices == 1 else {"mesh": on_mesh(devices)}
+    step = jaccum.dp_value_and_grad(
+      lm_loss,
+      num_microbatches,
+      l2_clip_norm=C,
+      noise_multiplier=1.0,
+      deterministic=True,
+      return_norms=True,
+      **mesh,
+    )
+    out = jax.jit(step)(params, batch, noise_key=key, example_mask=mask)
+    return [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(out)]
+
+  first = run(1, 8)
+  for devices, k in ((2, 4), (4, 2), (8, 1)):
+    assert all(map(np.array_equal, run(devices, k), first)), (devices, k)
+
+
+def test_bf16_params_sum_in_float32():
+  loss, params, batch = setup("mlp", jnp.float32)
+  as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  _, grads, _ = private(loss, 4)(
+    as_bf16, {**batch, "x": batch["x"].astype(jnp.bfloat16)}
+  )
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+  _, want, _ = reference(loss, params, batch)
+  assert_trees_close(
+    jax.tree.map(lambda g: np.asarray(g, np.float64), grads), want, 3e-2
+  )
+
+
+def test_each_example_draws_its_own_key():
+  """`rng_argnum`: example j of micro-batch k (strided: row k + j·K) draws
+  from `fold_in(fold_in(key, k), j)`."""
+
+  def dropped(params, batch, key):
+    keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+    return mlp_loss(params, {**batch, "x": jnp.where(keep, batch["x"] * 2, 0)})
+
+  with jax.enable_x64(True):
+    _, params, batch = setup("mlp")
+    key = jax.random.key(5)
+    out = private(dropped, 4, rng_argnum=2)(params, batch, key)
+    k_of_row = np.arange(ROWS) % 4
+    j_of_row = np.arange(ROWS) // 4
+    keys = [
+      jax.random.fold_in(jax.random.fold_in(key, k), j)
+      for k, j in zip(k_of_row, j_of_row, strict=True)
+    ]
+    per_row = jax.vmap(
+      lambda x, y, k: jax.value_and_grad(
+        lambda p: dropped(p, {"x": x[None], "y": y[None]}, k)[0]
+      )(params)
+    )
+    losses, grads = per_row(batch["x"], batch["y"], jnp.stack(keys))
+    norms = np.sqrt(
+      sum(
+        np.sum(np.asarray(g).reshape(ROWS, -1) ** 2, 1) for g in jax.tree.leaves(grads)
+      )
+    )
+    factor = np.minimum(1, C / norms)
+    want = jax.tree.map(lambda g: np.tensordot(factor, np.asarray(g), 1) / ROWS, grads)
+    check(out, (float(np.mean(losses)), want, norms), 1e-12)
+
+
+def test_without_return_norms_it_returns_the_loss_and_grads():
+  _, params, batch = setup("mlp", jnp.float32)
+  step = jaccum.dp_value_and_grad(mlp_loss, 2, l2_clip_norm=1.0, noise_multiplier=0.5)
+  out = jax.jit(step)(params, batch, noise_key=jax.random.key(0))
+  assert len(out) == 2
+  assert jax.tree.structure(out[1]) == jax.tree.structure(params)
+
+
+BAD = [
+  (
+    dict(loss=lambda p, b: mlp_loss(p, b).mean()),
+    TypeError,
+    "one floating loss per example",
+  ),
+  (dict(l2_clip_norm=0.0), ValueError, "l2_clip_norm must be a finite number > 0"),
+  (dict(l2_clip_norm=-1.0), ValueError, "l2_clip_norm must be a finite number > 0"),
+  (
+    dict(l2_clip_norm=jnp.float32(1.0)),
+    TypeError,
+    "l2_clip_norm must be a Python number",
+  ),
+  (
+    dict(noise_multiplier=-0.1),
+    ValueError,
+    "noise_multiplier must be a finite number >= 0",
+  ),
+  (dict(noise_multiplier=1.0, call={}), ValueError, "noise_key is missing"),
+  (
+    dict(call={"example_mask": np.ones(8, bool)}),
+    ValueError,
+    r"example_mask must be one bool per row of the batch, shape \(16,\)",
+  ),
+  (dict(call={"noise_key": 3}), TypeError, "noise_key must be a PRNG key"),
+  (dict(norms="ghost"), ValueError, "norms must be one of"),
+  (dict(batch_argnums=0), ValueError, "includes 0, the params' position"),
+  (dict(reduce="mean"), TypeError, "reduce is not an option of dp_value_and_grad"),
+  (dict(weight_fn=lambda p, b: 1.0), TypeError, "weight_fn is not an option"),
+  (dict(state_argnum=2), TypeError, "state_argnum is not an option"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "message"), BAD)
+def test_bad_input_gets_a_clear_error(change, error, message):
+  _, params, batch = setup("mlp", jnp.float32)
+  change = dict(change)
+  loss = change.pop("loss", mlp_loss)
+  call = change.pop("call", {"noise_key": jax.random.key(0)})
+  options = {"l2_clip_norm": 1.0, "noise_multiplier": 0.0, **change}
+  with pytest.raises(error, match=message):
+    step = jaccum.dp_value_and_grad(loss, 2, **options)
+    jax.jit(lambda p, b: step(p, b, **call))(params, batch)
+
+
+def test_integer_params_are_refused_by_path():
+  _, params, batch = setup("mlp", jnp.float32)
+  step = jaccum.dp_value_and_grad(mlp_loss, 2, l2_clip_norm=1.0, noise_multiplier=0.0)
+  with pytest.raises(TypeError, match=r"params\['count'\] is int32"):
+    step({**params, "count": jnp.int32(0)}, batch)
+
+
+@pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated")
+def test_agrees_with_jax_privacy():
+  """Its `clipped_grad` (per-example `vmap`) on the same loss, if installed."""
+  clipping_lib = pytest.importorskip(
+    "jax_privacy.clipping", reason="jax-privacy is not installed"
+  )
+  loss, params, batch = setup("mlp", jnp.float32)
+  total = lambda p, b: jnp.sum(loss(p, b))
+  theirs = clipping_lib.clipped_grad(
+    total, l2_clip_norm=C, batch_argnums=1, keep_batch_dim=True, normalize_by=ROWS
+  )(params, batch)
+  _, ours, _ = private(loss, 4)(params, batch)
+  assert_trees_close(ours, theirs, 1e-5)

@@ -553,15 +553,24 @@ class Backward(NamedTuple):
 def trace(
   loss: Any, params: Any, examples: Any, keys: Any
 ) -> tuple[ClosedJaxpr, Analysis]:
-  """The loss of one example, traced, and how its leaves' norms are made."""
+  """The loss of one example, traced, and how its leaves' norms are made.
+
+  Traced where `vmap` runs it, so that one example's types are those the
+  loop will see: without the row axis's sharding (an explicit mesh),
+  varying over the devices where the rows do (inside `shard_map`).
+  """
   leaves, treedef = jax.tree.flatten(params)
-  example = jax.tree.map(lambda x: x[0], examples)
-  key = None if keys is None else keys[0]
+  found: list[ClosedJaxpr] = []
 
   def flat(leaves, example, key):
     return loss(jax.tree.unflatten(treedef, leaves), example, key)
 
-  closed = jax.make_jaxpr(flat)(leaves, example, key)
+  def trace_one(example, key):
+    found.append(jax.make_jaxpr(flat)(leaves, example, key))
+    return 0
+
+  jax.eval_shape(jax.vmap(trace_one, (0, None if keys is None else 0)), examples, keys)
+  (closed,) = found
   return closed, analyse(closed, len(leaves))
 
 
