@@ -9,10 +9,11 @@ micro-batches on one device, three steps over the same batch:
 * vmap: the same with `norms="vmap"`: every example's gradient formed, as
   jax_privacy's `clipped_grad` does.
 
-For each: XLA's temporaries from the compiled step (`jaccum.inspect.memory`)
-and the step time, in interleaved rounds, as paired ratios (private ÷
-plain, private ÷ vmap). The private and vmap steps are checked against each
-other first; the record also says which params leaves took the ghost path.
+For each: XLA's temporaries from the compiled step (`jaccum.inspect.memory`),
+its floating-point operations (`cost_analysis`) and the step time, in
+interleaved rounds, as paired ratios (private ÷ plain, private ÷ vmap).
+The private and vmap steps are checked against each other first; the
+record also says which params leaves took the ghost path.
 
 Targets (issue 38): at K = 8, private ÷ plain ≤ 1.3× in time and
 temporaries, private ÷ vmap ≤ 0.6× in time.
@@ -105,7 +106,8 @@ def measure_model(name: str, quick: bool, ks: tuple[int, ...], rounds: int):
     assert error < TOLERANCE, (name, k, error)
     for n in (f"plain K={k}", f"private K={k}", f"vmap K={k}"):
       temp = jaccum.inspect.memory(jitted[n], *args, **kwargs(n)).temp_bytes
-      rows[n] = {"temp_bytes": temp}
+      compiled = jitted[n].lower(*args, **kwargs(n)).compile()
+      rows[n] = {"temp_bytes": temp, "flops": float(compiled.cost_analysis()["flops"])}
     rows[f"private K={k}"]["max_rel_error_vs_vmap"] = error
     print(f"{name} K={k}: compiled, private against vmap {error:.1e}", flush=True)
   times = _measure.interleaved(calls, rounds)
@@ -172,6 +174,8 @@ def section(record: dict[str, Any]) -> str:
         "private ÷ vmap",
         "temporaries: private ÷ plain",
         "vmap ÷ plain",
+        "XLA flops: private ÷ plain",
+        "vmap ÷ plain",
       ],
       [
         [
@@ -183,6 +187,8 @@ def section(record: dict[str, Any]) -> str:
           cell(f"private K={k}", "time_vs_vmap"),
           cell(f"private K={k}", "temp_vs_plain"),
           cell(f"vmap K={k}", "temp_vs_plain"),
+          cell(f"private K={k}", "flops_vs_plain"),
+          cell(f"vmap K={k}", "flops_vs_plain"),
         ]
         for k in record["ks"]
       ],
@@ -226,8 +232,9 @@ def section(record: dict[str, Any]) -> str:
       'σ = 1, C = 1) and the per-example vmap path (`norms="vmap"`), at each '
       "K on one device: step time (median of "
       f"{record['rounds']} interleaved rounds; ratios are medians of per-round "
-      "ratios) and XLA's temporaries. The private and vmap results were "
-      "checked against each other first.\n",
+      "ratios), XLA's temporaries and its count of floating-point operations "
+      "(`cost_analysis`). The private and vmap results were checked against "
+      "each other first.\n",
       *parts,
       " ".join(verdicts),
     ]

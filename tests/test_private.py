@@ -632,3 +632,65 @@ def test_agrees_with_jax_privacy():
   )(params, batch)
   _, ours, _ = private(loss, 4)(params, batch)
   assert_trees_close(ours, theirs, 1e-5)
+
+
+def uses_loss(params, batch):
+  """Every kind of use the ghost path reads, in less common forms."""
+  x, ids = batch["x"], batch["ids"]  # [rows, 4, 5], [rows, 4]
+  h = jnp.einsum("fd,btd->btf", params["lhs"], x)  # the param as the lhs
+  heads = h.reshape(*h.shape[:2], 2, 3)
+  h = jnp.einsum("bthd,hde->bthe", heads, params["per_head"])  # a batch dim
+  h = h.reshape(*h.shape[:2], -1) @ params["chain"].reshape(56).reshape(7, 8).T
+  image = jax.lax.conv_general_dilated(  # NCHW, strided and dilated
+    x[:, None],
+    params["kernel"],
+    (2, 1),
+    [(1, 2), (0, 1)],
+    rhs_dilation=(1, 2),
+    dimension_numbers=("NCHW", "OIHW", "NCHW"),
+  )
+  table = jnp.take(params["table"], ids, axis=0, mode="clip")  # ids beyond it
+  return (
+    jnp.sum(jnp.tanh(h) ** 2, (1, 2))
+    + jnp.sum(jnp.sin(image), (1, 2, 3))
+    + jnp.sum(jnp.cos(table), (1, 2))
+  )
+
+
+def uses_setup(dtype=jnp.float64):
+  rng = np.random.default_rng(4)
+  params = {
+    "lhs": rng.normal(size=(6, 5)),
+    "per_head": rng.normal(size=(2, 3, 4)) / 2,
+    "chain": rng.normal(size=(7, 8)) / 3,
+    "kernel": rng.normal(size=(3, 1, 2, 2)),
+    "table": rng.normal(size=(5, 3)),
+  }
+  params = jax.tree.map(lambda v: jnp.asarray(v, dtype), params)
+  batch = {
+    "x": jnp.asarray(rng.normal(size=(ROWS, 4, 5)), dtype),
+    "ids": jnp.asarray(rng.integers(0, 7, (ROWS, 4)), jnp.int32),
+  }
+  return params, batch
+
+
+@pytest.mark.parametrize("how", ["gram", "outer"])
+def test_every_kind_of_use_both_ways(how, monkeypatch):
+  """Each kind's ghost norm and kept product, against the reference."""
+  monkeypatch.setattr(ghost, "_how", lambda activations, product: how)
+  with jax.enable_x64(True):
+    params, batch = uses_setup()
+    described = describe(uses_loss, params, batch)
+    kinds = {
+      "lhs": "dot_general",
+      "per_head": "dot_general",
+      "chain": "dot_general",
+      "kernel": "conv",
+      "table": "gather",
+    }
+    assert described == {
+      f"['{n}']": f"ghost {k} ({how})" for n, k in sorted(kinds.items())
+    }
+    mask = some_mask()
+    out = private(uses_loss, 4)(params, batch, example_mask=mask)
+    check(out, reference(uses_loss, params, batch, mask), 1e-12)
