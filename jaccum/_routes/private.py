@@ -300,14 +300,19 @@ def dp_value_and_grad(
   activations and output cotangents of the batched backward pass, for the
   uses that dominate models: a parameter that reaches the loss through one
   `dot_general` (matmuls, `einsum`), convolution or embedding gather (after
-  transposes, reshapes, casts). It picks, per use, the ghost norm (Gram
-  matrices over the positions, as Li et al. 2021) or the per-example
-  gradient of that use alone, whichever costs fewer operations (mixed ghost
-  clipping, Bu et al. 2022), and makes the clipped sum from the same
-  activations and cotangents, reweighted (book-keeping, Bu et al. 2023).
-  Other parameters (biases, norm scales, a parameter used twice such as a
-  tied embedding, or used inside a `scan`) get their per-example gradients
-  from that same backward pass, alone. No per-example gradient of the whole
+  transposes, reshapes, casts). Per use, it keeps each example's product
+  `a_iᵀ g_i` (the use's own weight gradient, not summed over examples)
+  where that is no larger than twice the activations and cotangents the
+  backward pass holds for the use anyway, and its weighted sum is the
+  clipped sum; elsewhere (wide layers over few positions) it takes the
+  ghost norm, Gram matrices over the positions (Li et al. 2021; the choice
+  per use is mixed ghost clipping's, Bu et al. 2022), and the clipped sum
+  is the weight gradient of the cotangents reweighted (book-keeping, Bu et
+  al. 2023). `python -m benchmarks --parts private` measures both paths
+  (the guide "Differential privacy" has the table). Other parameters
+  (biases, norm scales, a parameter used twice such as a tied embedding, or
+  used inside a `scan`) get their per-example gradients from that same
+  backward pass, alone. No per-example gradient of the whole
   model is formed; sharding constraints in the model are read as values.
 
   Padding and Poisson sampling. `example_mask` marks the real rows: a
@@ -367,6 +372,16 @@ def dp_value_and_grad(
     >>> clipped = per_example * jnp.minimum(1, 1.0 / norms)[:, None]
     >>> bool(jnp.allclose(grads, clipped.sum(0) / 8))
     True
+
+  References:
+    Abadi et al. 2016, Deep learning with differential privacy (DP-SGD).
+    Goodfellow 2015, Efficient per-example gradient computations.
+    Li et al. 2021, Large language models can be strong differentially
+    private learners (ghost clipping).
+    Bu et al. 2022, Scalable and efficient training of large convolutional
+    neural networks with differential privacy (mixed ghost clipping);
+    Bu et al. 2023, Differentially private optimization on large model at
+    small cost (book-keeping).
   """
   private = make_options(
     loss_fn,
