@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import statistics
 from typing import Any
 
@@ -746,6 +747,7 @@ SECTIONS = {
   "plan": plan_section,
   "coupled": coupled_section,
   "deterministic": deterministic_section,
+  "private": lambda part: importlib.import_module("benchmarks.private").section(part),
 }
 
 
