@@ -330,7 +330,7 @@ def _options(
     data_axes,
     math.prod(mesh.shape[a] for a in data_axes),
     table,
-    _Ticks(table.num_stages, num_chunks, num_microbatches),
+    _Ticks(table.num_stages, num_chunks, num_microbatches, schedule == "zb-v"),
     bool(remat),
     accum,
   )
@@ -466,7 +466,8 @@ def _gradient_loop(
   like = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(jnp.shape(a), common.dtype(a)), args
   )
-  loop = zero_bubble.loop if layout.schedule.schedule == "zb-h1" else one_f_one_b.loop
+  zero = layout.schedule.schedule in ("zb-h1", "zb-v")
+  loop = zero_bubble.loop if zero else one_f_one_b.loop
 
   @jax.custom_vjp
   def run(args):
