@@ -165,13 +165,13 @@ def pipeline_schedule(
     device placed in a V: device s holds stages s (chunk 0, run down the
     devices) and 2S − 1 − s (chunk 1, back up), so the last stage and its
     loss are on device 0, beside the first. One of F, B or W per tick, each
-    half a stage's: in every tick a device runs the first of these that is
-    ready (its input there since an earlier tick): a B, then an F while fewer
-    than 2S of its chunks' micro-batches wait for their W (1F1B's S whole
-    stages on device 0), then a W; the earliest micro-batch first, chunk 1
-    before chunk 0. For K ≥ S it takes 6K + S − 1 ticks, the fewest possible:
-    the last device's first forward comes S − 1 ticks after the first's.
-    Needs V = 2.
+    half a stage's: in every tick a device runs the ready F or B of the
+    earliest micro-batch (an F counted ⌊(S − 1)/2⌋ micro-batches early), an
+    F only while fewer than 2S of its chunks' micro-batches wait for their W
+    (1F1B's S whole stages on device 0), else a W. For K ≥ S it takes
+    6K + S − 1 ticks up to S = 4 (and at most S/2 more beyond, at K close
+    to S): the fewest possible, since the last device's first forward comes
+    S − 1 ticks after the first's. Needs V = 2.
 
   Args:
     num_stages: S, the size of the pipeline's stage axis.
@@ -523,6 +523,7 @@ def _simulate(placement: _Placement, num_microbatches: int, pick: Pick) -> Table
   return tuple(table)
 
 
+@functools.cache
 def _zero_bubble_table(num_stages: int, num_microbatches: int) -> Table:
   """ZB-H1: each stage runs its order, each pass in the first tick after
   what it needs."""
@@ -538,28 +539,38 @@ def _zero_bubble_table(num_stages: int, num_microbatches: int) -> Table:
   return _simulate(_Placement(num_stages, False), num_microbatches, pick)
 
 
+@functools.cache
 def _zero_bubble_v_table(num_stages: int, num_microbatches: int) -> Table:
-  """ZB-V: in each tick, each device runs the first pass that is ready of: a
-  B, an F while fewer than 2S of its micro-batch chunks wait for their W,
-  a W; the earliest micro-batch first, chunk 1 before chunk 0.
+  """ZB-V: in each tick, each device runs the ready F or B of the earliest
+  micro-batch, counting an F ⌊(S − 1)/2⌋ micro-batches earlier than it is
+  (a B before an F, chunk 1 before chunk 0, on a tie), and an F only while
+  fewer than 2S of its micro-batch chunks wait for their W; else a W.
 
-  B first, because the previous stage waits for it; F next, but no more of
-  them in flight than 1F1B's first stage holds (S whole stages: 2S chunks);
-  W, which nothing waits for, where the device would otherwise idle. Every
-  device then holds at most 2S chunk micro-batches between F and W.
+  B soon, because the previous stage waits for it; F a little ahead of B,
+  so that the last micro-batches' forwards reach the turn without waiting
+  behind backwards; no more chunks in flight than 1F1B's first stage holds
+  (S whole stages: 2S chunks); W, which nothing waits for, where the device
+  would otherwise idle. For S ≤ 4 and K ≥ S (and most K beyond at more
+  stages) this takes 6K + S − 1 ticks, the fewest any schedule can: the last
+  device's first F comes S − 1 ticks after the first device's.
   """
   S, K = num_stages, num_microbatches
+  lead = (S - 1) // 2
 
   def pick(device, counts, ready):
     in_flight = sum(counts["F", c] - counts["W", c] for c in (0, 1))
-    for kind in ("B", "F", "W"):
-      if kind == "F" and in_flight >= 2 * S:
-        continue
-      works = [(kind, counts[kind, c], c) for c in (1, 0) if counts[kind, c] < K]
-      works = [w for w in works if ready(w)]
-      if works:
-        return min(works, key=lambda w: w[1])
-    return None
+    runs = [
+      (kind, counts[kind, c], c)
+      for kind in ("B", "F")
+      for c in (1, 0)
+      if counts[kind, c] < K and (kind == "B" or in_flight < 2 * S)
+    ]
+    runs = [w for w in runs if ready(w)]
+    if runs:
+      return min(runs, key=lambda w: (w[1] - lead * (w[0] == "F"), w[0] == "F"))
+    weights = [("W", counts["W", c], c) for c in (1, 0) if counts["W", c] < K]
+    weights = [w for w in weights if ready(w)]
+    return min(weights, key=lambda w: w[1]) if weights else None
 
   return _simulate(_Placement(S, True), K, pick)
 
