@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_trees_close, max_rel_error
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaccum
 import jaccum.inspect
+from jaccum._pipeline import backward
 from jaccum._pipeline.tables import COLUMNS, _Ticks, zero_bubble_tables
 from jaccum._planning import hlo_cost as _hlo_cost
 
@@ -519,6 +521,19 @@ def test_second_derivatives_through_the_gradient_schedules(schedule):
       r"runs one stage per device, but num_virtual_stages=2",
     ),
     ((4, 4), {"num_virtual_stages": True}, TypeError, r"num_virtual_stages must"),
+    (
+      (4, 4),
+      {"schedule": "zb-v"},
+      ValueError,
+      r'schedule="zb-v" runs two stages per device, placed in a V, but '
+      r"num_virtual_stages=1: pass num_virtual_stages=2",
+    ),
+    (
+      (4, 4),
+      {"schedule": "zb-v", "num_virtual_stages": 3},
+      ValueError,
+      r"but num_virtual_stages=3",
+    ),
   ],
 )
 def test_error_pipeline_schedule(args, options, error, message):
@@ -853,8 +868,10 @@ def test_compiled_loop_runs_the_schedule():
     plan = jaccum.pipeline_schedule(NUM_STAGES, NUM_STAGES, schedule=schedule)
     assert loop.trip_count == plan.num_ticks
     if schedule == "zb-h1":
-      # W, or else (idle, F or B); the loss's `cond` inside F.
-      (others, weights), (idle, forward, backward), _ = loop.branches
+      # W, or else (idle, F or B); then the loss's `cond` inside F, and those
+      # that keep what F and B computed in their rings, without matmuls.
+      (others, weights), (idle, forward, backward), *rest = loop.branches
+      assert all(max(branches) == 0 for branches in rest)
       assert (idle, backward, weights) == (0, 512 * rows, 512 * rows)
       assert forward >= 512 * rows and others == max(forward, backward)
       split_backward = backward + weights
@@ -864,6 +881,78 @@ def test_compiled_loop_runs_the_schedule():
   assert whole_backward == split_backward
   flops = {name: _hlo_cost.matmul_flops(text) for name, text in compiled.items()}
   assert flops["zb-h1"] <= flops["1f1b"]
+
+
+def test_zb_v_compiled_loop_and_flops():
+  """ZB-V's compiled step runs its schedule: a loop of `num_ticks`
+  iterations, each one of F, B (the input's cotangent) or W (the weights'),
+  512·R matmul FLOPs each for R rows, none twice. On the same 8 blocks, 2 per
+  stage for ZB-H1 and 1 per chunk for ZB-V, ZB-V's step counts at most what
+  ZB-H1's does (each tick at its costliest branch: ZB-V's 51 ticks of one
+  block against ZB-H1's 27 of two, at K = 8) and computes the same loss."""
+  mesh = make_mesh("stage")
+  num_microbatches = 2 * NUM_STAGES
+  layers, x, t = make_problem(mesh, jnp.float32, 2)
+  rows = x.shape[0] // num_microbatches
+
+  def two_blocks(params, x):
+    for i in range(2):
+      x = stage_fn(jax.tree.map(lambda a, i=i: a[i], params), x)
+    return x
+
+  paired = jax.tree.map(lambda a: a.reshape(NUM_STAGES, 2, *a.shape[1:]), layers)
+  by_schedule = {
+    "zb-h1": (two_blocks, 1, paired),
+    "zb-v": (stage_fn, 2, stacked(layers, 2, True)),
+  }
+  texts, values = {}, {}
+  for schedule, (stage, num_chunks, params) in by_schedule.items():
+    pipe = jaccum.pipeline(
+      stage,
+      num_microbatches,
+      mesh=mesh,
+      schedule=schedule,
+      num_virtual_stages=num_chunks,
+      loss_fn=loss_fn,
+    )
+    step = jax.jit(jax.value_and_grad(lambda p, x, t, pipe=pipe: pipe(p, x, t)))
+    compiled = step.lower(params, x, t).compile()
+    texts[schedule] = compiled.as_text()
+    values[schedule] = float(compiled(params, x, t)[0])
+  (loop,) = _hlo_cost.loops(texts["zb-v"])
+  plan = jaccum.pipeline_schedule(
+    NUM_STAGES, num_microbatches, schedule="zb-v", num_virtual_stages=2
+  )
+  assert loop.trip_count == plan.num_ticks == 51
+  (others, weights), (idle, forward, backward), *_ = loop.branches
+  assert (idle, backward, weights) == (0, 512 * rows, 512 * rows)
+  assert forward >= 512 * rows and others == max(forward, backward)
+  flops = {name: _hlo_cost.matmul_flops(text) for name, text in texts.items()}
+  assert flops["zb-v"] <= 1.05 * flops["zb-h1"]
+  assert values["zb-v"] == pytest.approx(values["zb-h1"], rel=1e-5)
+
+
+def test_weight_backward_computes_cheap_values_again():
+  """B hands W the values W reads of it, except those W can compute again
+  by elementwise arithmetic from what it has: `scale * ct`, from the output's
+  cotangent (which W reads anyway) and the scale (an input kept for free).
+  The parts compute what the whole does."""
+
+  def whole(scale, w_out, h, c, ct):
+    d = scale * ct
+    return (h.T @ d, jnp.sum(ct * c)), d @ w_out.T
+
+  shapes = [(), (16, 8), (4, 16), (4, 8), (4, 8)]
+  keys = jax.random.split(jax.random.key(17), len(shapes))
+  args = [jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True)]
+  program = jax.make_jaxpr(lambda *a: jax.tree.leaves(whole(*a)))(*args)
+  for free, carried in (((), 2), ((0,), 1)):
+    parts = backward.split(program, [False, False, True], through_b=[4], free=free)
+    assert parts.num_carried == carried
+    b_out = jaxpr_as_fun(parts.b)(*[args[i] for i in parts.b_inputs])
+    w_out = jaxpr_as_fun(parts.w)(*[args[i] for i in parts.w_inputs], *b_out[1:])
+    expected = jax.tree.leaves(whole(*args))
+    assert_trees_close([*w_out, b_out[0]], expected, 1e-6)
 
 
 # --- dtypes ---------------------------------------------------------------------
@@ -1397,6 +1486,15 @@ def test_error_virtual_stage_params():
     r"num_virtual_stages=2 its leading sizes must be \(V, S\) = \(2, 4\)",
   ):
     pipe(params, x)
+  pipe = jaccum.pipeline(
+    stage_fn, 4, mesh=mesh, num_virtual_stages=2, schedule="zb-v", loss_fn=loss_fn
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"must be \(V, S\) = \(2, 4\), stage s at \[0, s\] and stage "
+    r"2S − 1 − s at \[1, s\], ZB-V's V",
+  ):
+    pipe(params, x, x[:, 0])
 
 
 def test_error_axis_not_in_mesh():
@@ -1515,7 +1613,8 @@ def test_error_rng_not_a_key():
     (
       {"schedule": "interleaved"},
       ValueError,
-      r"schedule must be one of \('gpipe', '1f1b', 'zb-h1'\), got 'interleaved'",
+      r"schedule must be one of \('gpipe', '1f1b', 'zb-h1', 'zb-v'\), got "
+      r"'interleaved'",
     ),
     ({"schedule": "1f1b"}, ValueError, r'schedule="1f1b" needs loss_fn='),
     ({"schedule": "zb-h1"}, ValueError, r'schedule="zb-h1" needs loss_fn='),
