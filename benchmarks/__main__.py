@@ -97,6 +97,16 @@ def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
   return record
 
 
+def _overheads(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import overheads
+
+  # Timed here, on one device like the sweep; the FSDP temporaries on 8
+  # simulated devices in a process of their own.
+  record = overheads.run(args.quick, args.rounds)
+  record["fsdp"] = _in_own_process("overheads", args)
+  return record
+
+
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
   from benchmarks import plan
 
@@ -127,6 +137,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "plan": _plan,
   "coupled": _coupled,
   "deterministic": _deterministic,
+  "overheads": _overheads,
 }
 
 

@@ -733,6 +733,12 @@ def coupled_section(coupled: dict[str, Any]) -> str:
   )
 
 
+def overheads_section(overheads: dict[str, Any]) -> str:
+  from benchmarks import overheads as part
+
+  return part.section(overheads)
+
+
 SECTIONS = {
   "sweep": sweep_section,
   "loop": loop_section,
@@ -746,6 +752,7 @@ SECTIONS = {
   "plan": plan_section,
   "coupled": coupled_section,
   "deterministic": deterministic_section,
+  "overheads": overheads_section,
 }
 
 
