@@ -23,10 +23,10 @@ from jaccum._core import exact
 LOWEST_TOP = exact._LOWEST_TOP[np.dtype(np.float32)]
 
 
-def _needed(value: float) -> int:
+def _needed(value: float, lowest: int = LOWEST_TOP) -> int:
   """The top a float64 magnitude needs (the lowest for 0)."""
   if value == 0:
-    return LOWEST_TOP
+    return lowest
   _, power = math.frexp(value)  # value < 2^power
   return math.ceil((power - 15) / 16)
 
@@ -43,41 +43,53 @@ def _slice(x: np.ndarray, b: int) -> np.ndarray:
   return units - 2.0**16 * above
 
 
-def reference(steps: list[np.ndarray]) -> tuple[int, list[np.ndarray]]:
-  """`(top, slots)` after adding each float64 array of `steps`, exactly."""
-  top = max(_needed(float(np.max(np.abs(s)))) for s in steps)
-  slots = [np.zeros(steps[0].shape) for _ in range(3)]
+def reference(
+  steps: list[np.ndarray], num_bins: int = 3, lowest: int = LOWEST_TOP
+) -> tuple[int, list[np.ndarray]]:
+  """`(top, slots)` after adding each float64 array of `steps`, exactly (3
+  bins for float32 terms, 5 for float64: their slices are integers below
+  2^16, their sums below 2^53)."""
+  top = max(_needed(float(np.max(np.abs(s))), lowest) for s in steps)
+  slots = [np.zeros(steps[0].shape) for _ in range(num_bins)]
   for terms in steps:
-    for b in range(top - 2, top + 1):
-      slots[b % 3] = slots[b % 3] + _slice(terms, b)  # each below 2^24: exact
+    for b in range(top - num_bins + 1, top + 1):
+      slots[b % num_bins] = slots[b % num_bins] + _slice(terms, b)
   return top, slots
 
 
-def added(steps, weights=None):
-  acc = exact.zeros(steps[0].shape, jnp.float32)
+def added(steps, weights=None, dtype=jnp.float32):
+  acc = exact.zeros(steps[0].shape, dtype)
   for k, terms in enumerate(steps):
-    weight = None if weights is None else jnp.float32(weights[k])
-    acc = jax.jit(exact.add)(acc, jnp.asarray(terms, jnp.float32), weight)
+    weight = None if weights is None else jnp.asarray(weights[k], dtype)
+    acc = jax.jit(exact.add)(acc, jnp.asarray(terms, dtype), weight)
   return acc
 
 
-def _terms(rng, shape, low, high):
-  """float32 terms of magnitudes 10^low .. 10^high, signed, with some zeros."""
+def _terms(rng, shape, low, high, dtype=np.float32):
+  """Terms of magnitudes 10^low .. 10^high, signed, with some zeros (all
+  zeros where `low` is None)."""
+  if low is None:
+    return np.zeros(shape, dtype)
   magnitude = 10.0 ** rng.uniform(low, high, shape)
-  terms = (rng.choice([-1.0, 1.0], shape) * magnitude).astype(np.float32)
+  terms = (rng.choice([-1.0, 1.0], shape) * magnitude).astype(dtype)
   terms[rng.random(shape) < 0.05] = 0
   return terms
 
 
 # Magnitudes: ordinary gradients; ones that need two powers of two to reach
 # their bins (below 2^-126 next to their top, subnormals among them); large
-# ones; and steps whose scale grows, so that the top is raised and bins are
-# dropped along the way.
+# ones; steps whose scale grows, so that the top is raised and bins are
+# dropped along the way; terms 10^38 apart in one step, most of them below
+# the lowest bin the largest leaves (their slices round to 0 or to a unit);
+# and all-zero steps, first (nothing moves the top) and between others.
 CASES = {
   "gradients": [(-8, 1)] * 4,
   "tiny": [(-44, -30)] * 3,
   "large": [(20, 37)] * 3,
   "raised": [(-12, -6), (-6, -2), (-3, 4), (2, 9)],
+  "wide": [(-30, 8)] * 3,
+  "zeros": [(None, None), (-3, 1), (None, None), (-20, -10)],
+  "only zeros": [(None, None)] * 2,
 }
 
 
@@ -112,6 +124,32 @@ def test_weighted_terms_are_sliced_as_their_significands_products():
   assert int(acc.top) == top
   for got, want in zip(acc.bins, slots, strict=True):
     np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+
+
+# float64 terms, five bins: ordinary, terms whose bins lie past 2^1023 above
+# them (two powers of two), large, and 10^80 apart in one step.
+CASES_64 = {
+  "gradients": [(-12, 2)] * 3,
+  "tiny": [(-307, -290)] * 3,
+  "large": [(280, 307)] * 3,
+  "wide": [(-60, 20), (-40, 25)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_64))
+def test_float64_bins_are_the_sums_of_the_slices_of_their_definition(case):
+  rng = np.random.default_rng(len(case) + 64)
+  with jax.enable_x64(True):
+    steps = [
+      _terms(rng, (48, 40), low, high, np.float64) for low, high in CASES_64[case]
+    ]
+    lowest = exact._LOWEST_TOP[np.dtype(np.float64)]
+    top, slots = reference(steps, num_bins=5, lowest=lowest)
+    acc = added(steps, dtype=jnp.float64)
+    assert int(acc.top) == top and not bool(acc.bad)
+    assert len(acc.bins) == 5
+    for got, want in zip(acc.bins, slots, strict=True):
+      np.testing.assert_array_equal(np.asarray(got, np.float64), want)
 
 
 @pytest.mark.parametrize("divisor", [2, 3, 5, 16])

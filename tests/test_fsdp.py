@@ -111,6 +111,75 @@ def test_every_mode_is_the_whole_batch_gradient_sharded_like_the_params(
     assert grad.sharding.is_equivalent_to(like, grad.ndim), (name, grad.sharding)
 
 
+def split_off_the_leading_axis(seed=2):
+  """float64 params each split along an axis other than their first: a stack
+  split along its middle axis, sliced by a scan; a 3-D weight split along
+  its last, and a matrix along its second, each used whole outside it."""
+  rng = np.random.default_rng(seed)
+  shapes = {"stack": (3, 16, 16), "cube": (2, 16, 24), "out": (24, 16)}
+  params = {
+    k: jnp.asarray(rng.normal(size=s) / np.sqrt(s[-2]), jnp.float64)
+    for k, s in shapes.items()
+  }
+  x = jnp.asarray(rng.normal(size=(64, 16)), jnp.float64)
+
+  def loss(params, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["stack"])
+    h = jnp.tanh(jnp.einsum("bi,cij->bj", h, params["cube"]))
+    return jnp.mean(jnp.sin(h @ params["out"]))
+
+  specs = {
+    "stack": P(None, "data", None),
+    "cube": P(None, None, "data"),
+    "out": P(None, "data"),
+  }
+  return params, x, loss, specs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_params_split_off_the_leading_axis_give_the_float64_whole_batch_gradient(
+  mode,
+):
+  """Issue 39, item 4: shard_all gathers and scatters each param along its
+  leading axis, whichever `param_specs` splits, moving the axis there and
+  back. Against the whole batch's float64 gradient to 1e-12, sharded like
+  the params; and every gather and reduce-scatter jaccum asks for is along
+  axis 0."""
+  with jax.enable_x64(True):
+    params, x, loss, specs = split_off_the_leading_axis()
+    mesh = mesh_of(AxisType.Auto)
+    args = placed(mesh, params, specs, x)
+    step = step_of(loss, mesh, specs, mode)
+    value, grads = step(*args)
+    want_value, want_grads = jax.value_and_grad(loss)(params, x)
+    np.testing.assert_allclose(value, want_value, rtol=1e-12)
+    for name, grad in grads.items():
+      assert grad.dtype == jnp.float64, name
+      np.testing.assert_allclose(grad, want_grads[name], rtol=1e-12, atol=1e-14)
+      like = NamedSharding(mesh, specs[name])
+      assert grad.sharding.is_equivalent_to(like, grad.ndim), (name, grad.sharding)
+    if mode == "shard_all":
+      found = collectives_in(jax.make_jaxpr(step)(*args).jaxpr)
+      gathers = [p["all_gather_dimension"] for n, p in found if n == "all_gather"]
+      scatters = [p["scatter_dimension"] for n, p in found if n == "reduce_scatter"]
+      assert gathers and set(gathers) == {0}, found
+      assert scatters and set(scatters) == {0}, found
+
+
+def collectives_in(jaxpr):
+  """`(name, params)` of every gather and reduce-scatter, nested jaxprs too."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("all_gather", "reduce_scatter"):
+      found.append((eqn.primitive.name, eqn.params))
+    for value in eqn.params.values():
+      for inner in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          found += collectives_in(inner)
+  return found
+
+
 def test_what_each_mode_keeps_per_device_and_where_it_communicates():
   """Temporaries per device from XLA, and the collectives inside the loop.
 
