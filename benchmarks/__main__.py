@@ -98,12 +98,19 @@ def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _overheads(args: argparse.Namespace) -> dict[str, Any]:
-  from benchmarks import overheads
+  from benchmarks import _record, overheads
 
   # Timed here, on one device like the sweep; the FSDP temporaries on 8
   # simulated devices in a process of their own.
+  load_before = _record.load()
   record = overheads.run(args.quick, args.rounds)
   record["fsdp"] = _in_own_process("overheads", args)
+  # Also on its own, as the standalone parts are: results/overheads.{json,md}.
+  command = " ".join(["python -m benchmarks", *sys.argv[1:]])
+  _record.save_with_table(
+    "overheads", args.quick, load_before, {"command": command, **record},
+    overheads.section,
+  )  # fmt: skip
   return record
 
 
