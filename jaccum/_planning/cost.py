@@ -201,8 +201,9 @@ def _last_level_cache_bytes() -> int:
 def _cache_throughput(cache_bytes: int) -> float:
   """Bytes per second of elementwise passes over an array a quarter of the
   cache's size (its input and output half of it), 16 passes in one
-  program: the rate of a working set that stays in the cache (110-130 GB/s
-  on a 2-core EPYC with 32 MiB of L3, against 11-14 GB/s over 256 MiB)."""
+  program: the rate of a working set that stays in the cache (36-130 GB/s
+  on a loaded 2-core EPYC with 32 MiB of L3, against 8-14 GB/s over 256
+  MiB)."""
   size = max(cache_bytes // 4 // 4, 1024)
   passes = 16
 
