@@ -235,21 +235,31 @@ def fit_plan(quick: bool, rounds: int) -> dict[str, Any]:
     policies=model.policies,
     cost_model=cost_model,
   )
+  # And with nothing said: CostModel.default(), no calibration.
+  default = jaccum.fit_plan(
+    model.make_grad_fn,
+    *model.args,
+    memory_budget=budget,
+    candidates=model.candidates,
+    policies=model.policies,
+  )
   at = {(r["num_microbatches"], r["remat"]): r for r in grid}
-  picked = at[(chosen.num_microbatches, chosen.remat)]
   best = min(grid, key=lambda r: r["step_s"])
   result = {
     "grid": grid,
     "cost_model": cost_model._asdict(),
-    "chosen": [chosen.num_microbatches, chosen.remat],
     "best": [best["num_microbatches"], best["remat"]],
-    "ratio": picked["step_s"] / best["step_s"],
   }
-  print(
-    f"fit_plan lm generous: K={chosen.num_microbatches} {chosen.remat} "
-    f"{result['ratio']:.2f}x the grid's best",
-    flush=True,
-  )
+  for name, plan_ in (("", chosen), ("default_", default)):
+    picked = at[(plan_.num_microbatches, plan_.remat)]
+    result[f"{name}chosen"] = [plan_.num_microbatches, plan_.remat]
+    result[f"{name}ratio"] = picked["step_s"] / best["step_s"]
+    print(
+      f"fit_plan lm generous ({name or 'calibrated'}): K={plan_.num_microbatches} "
+      f"{plan_.remat} {result[f'{name}ratio']:.2f}x the grid's best",
+      flush=True,
+    )
+  result["default_cost_model"] = jaccum.CostModel.default()._asdict()
   return result
 
 
@@ -410,11 +420,19 @@ def section(record: dict[str, Any]) -> str:
     ),
   ]
   plan = record["fit_plan"]
+  default = ""
+  if "default_chosen" in plan:
+    default = (
+      f"; with `CostModel.default()` (no `calibrate=True`): "
+      f"K={plan['default_chosen'][0]} {plan['default_chosen'][1] or 'no remat'}, "
+      f"{plan['default_ratio']:.2f}×"
+    )
   parts += [
     f"\n**fit_plan by the cost model alone**, the plan part's LM, every point "
-    f"fitting: K={plan['chosen'][0]} {plan['chosen'][1] or 'no remat'}, "
-    f"{plan['ratio']:.2f}× the grid's best (K={plan['best'][0]} "
-    f"{plan['best'][1] or 'no remat'}; goal ≤ {goals['fit_plan']}):\n",
+    f"fitting, with `calibrate=True`: K={plan['chosen'][0]} "
+    f"{plan['chosen'][1] or 'no remat'}, {plan['ratio']:.2f}× the grid's best "
+    f"(K={plan['best'][0]} {plan['best'][1] or 'no remat'}; goal ≤ "
+    f"{goals['fit_plan']}){default}. Predictions are the calibrated model's:\n",
     markdown_table(
       ["K", "remat", "temp MiB", "page faults / step", "predicted ms", "measured ms"],
       [

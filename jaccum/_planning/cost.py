@@ -50,7 +50,8 @@ class CostModel(NamedTuple):
   small programs of its own (a matmul, an elementwise pass over memory and
   one within the cache, jaccum's loop over micro-steps of no work, and a
   `psum`), in a second or two; `CostModel.default()` gives rough figures
-  per platform, without a cache, enough to rank plans that differ by much.
+  per platform (on a CPU, with its cache at 4× the memory's rate), enough
+  to rank plans that differ by much.
 
   Attributes:
     flops_per_second: compute throughput.
@@ -130,13 +131,20 @@ class CostModel(NamedTuple):
 
   @classmethod
   def default(cls, platform: str | None = None) -> CostModel:
-    """Rough constants for a platform ("cpu", "gpu", "tpu"), the default one's."""
+    """Rough constants for a platform ("cpu", "gpu", "tpu"), the default one's.
+
+    On a CPU with a last-level cache that Linux reports, the cache is
+    modelled at 4× the memory's rate: a micro-batch whose working set stays
+    in it runs its params' bytes faster, which ranks small micro-batches
+    right (measured 4–9× on a loaded 2-core EPYC; `calibrate()` measures it).
+    """
     platform = platform or jax.default_backend()
-    return {
-      "cpu": cls(5e10, 2e10, 5e9, 5e-6),
-      "gpu": cls(5e13, 2e12, 1e11, 1e-5),
-      "tpu": cls(1e14, 1e12, 5e10, 1e-5),
-    }.get(platform, cls(5e10, 2e10, 5e9, 5e-6))
+    if platform == "gpu":
+      return cls(5e13, 2e12, 1e11, 1e-5)
+    if platform == "tpu":
+      return cls(1e14, 1e12, 5e10, 1e-5)
+    cache = _last_level_cache_bytes() if platform == "cpu" else 0
+    return cls(5e10, 2e10, 5e9, 5e-6, float(cache), 8e10 if cache else 0.0)
 
   @classmethod
   def calibrate(cls) -> CostModel:
