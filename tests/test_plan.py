@@ -12,6 +12,7 @@ timer's bound is checked with a fake clock, never against the wall clock.
 
 import functools
 import math
+import pathlib
 import re
 
 import jax
@@ -431,6 +432,24 @@ def test_a_cache_reads_the_temporaries_share_of_the_bytes_from_memory(
   assert math.isclose(
     plain.seconds(3, 2e6, 8e6, 5e6, temp_bytes=temp_bytes), 3 * 3.1e-3 + 5e-3
   )
+
+
+def test_the_default_model_knows_a_cpus_cache_and_no_accelerators():
+  """Issue 39, item 6: `fit_plan` without `calibrate=True` uses
+  `CostModel.default()`; on a CPU it reads the last-level cache from Linux
+  (the largest `index*/size` of cpu0) and prices it at 4× the memory's rate."""
+  sizes = []
+  for path in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    text = path.read_text().strip()
+    sizes.append(int(text[:-1]) * {"K": 1024, "M": 1 << 20}[text[-1]])
+  cpu = jaccum.CostModel.default("cpu")
+  assert cpu.cache_bytes == max(sizes, default=0)
+  if sizes:
+    assert cpu.cache_bytes_per_second == 4 * cpu.bytes_per_second
+    small = cpu.seconds(1, 0.0, 1e9, 0.0, temp_bytes=cpu.cache_bytes / 2)
+    assert math.isclose(small, 0.5 / 2e10 * 1e9 + 0.5 / 8e10 * 1e9 + 5e-6)
+  for platform in ("gpu", "tpu"):
+    assert jaccum.CostModel.default(platform).cache_bytes == 0
 
 
 # A contrastive loss over the rows of each micro-batch: its logits are rows ×
