@@ -37,6 +37,13 @@ Parts, run in this order (`--parts` picks some):
 * `coupled` (`coupled.py`): `jaccum.accumulate_coupled` on a CLIP loss over
   two activation-dominated towers against the whole batch and GradCache
   written by hand, K = 2 … 64: temporaries and step time.
+* `overheads` (`overheads.py`, the FSDP half in its own process): issue
+  39's four overheads side by side: `deterministic=True` against the plain
+  step as the rows per micro-batch grow, the LM against `optax.microbatch`
+  (and whether their loop bodies are one program), `fit_plan`'s choice by
+  the cost model alone on the LM against its grid timed (with each point's
+  page faults per step), and FSDP `shard_all`'s temporaries against
+  `gather_once`'s and a hand-written ZeRO-3 loop's.
 
 Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`):
 

@@ -97,6 +97,23 @@ def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
   return record
 
 
+def _overheads(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import _record, overheads
+
+  # Timed here, on one device like the sweep; the FSDP temporaries on 8
+  # simulated devices in a process of their own.
+  load_before = _record.load()
+  record = overheads.run(args.quick, args.rounds)
+  record["fsdp"] = _in_own_process("overheads", args)
+  # Also on its own, as the standalone parts are: results/overheads.{json,md}.
+  command = " ".join(["python -m benchmarks", *sys.argv[1:]])
+  _record.save_with_table(
+    "overheads", args.quick, load_before, {"command": command, **record},
+    overheads.section,
+  )  # fmt: skip
+  return record
+
+
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
   from benchmarks import plan
 
@@ -134,6 +151,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "plan": _plan,
   "coupled": _coupled,
   "deterministic": _deterministic,
+  "overheads": _overheads,
   "private": _private,
 }
 

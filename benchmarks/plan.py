@@ -348,7 +348,7 @@ def figures(
     "temp_bytes": stats.temp_bytes,
     "flops": flops,
     "bytes_accessed": accessed,
-    "predicted_s": cost_model.seconds(k, flops / k, accessed / k, 0),
+    "predicted_s": cost_model.seconds(k, flops / k, accessed / k, 0, stats.temp_bytes),
   }
 
 

@@ -772,6 +772,12 @@ def coupled_section(coupled: dict[str, Any]) -> str:
   )
 
 
+def overheads_section(overheads: dict[str, Any]) -> str:
+  from benchmarks import overheads as part
+
+  return part.section(overheads)
+
+
 SECTIONS = {
   "sweep": sweep_section,
   "loop": loop_section,
@@ -785,6 +791,7 @@ SECTIONS = {
   "plan": plan_section,
   "coupled": coupled_section,
   "deterministic": deterministic_section,
+  "overheads": overheads_section,
   "private": lambda part: importlib.import_module("benchmarks.private").section(part),
 }
 

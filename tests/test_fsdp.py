@@ -111,6 +111,75 @@ def test_every_mode_is_the_whole_batch_gradient_sharded_like_the_params(
     assert grad.sharding.is_equivalent_to(like, grad.ndim), (name, grad.sharding)
 
 
+def split_off_the_leading_axis(seed=2):
+  """float64 params each split along an axis other than their first: a stack
+  split along its middle axis, sliced by a scan; a 3-D weight split along
+  its last, and a matrix along its second, each used whole outside it."""
+  rng = np.random.default_rng(seed)
+  shapes = {"stack": (3, 16, 16), "cube": (2, 16, 24), "out": (24, 16)}
+  params = {
+    k: jnp.asarray(rng.normal(size=s) / np.sqrt(s[-2]), jnp.float64)
+    for k, s in shapes.items()
+  }
+  x = jnp.asarray(rng.normal(size=(64, 16)), jnp.float64)
+
+  def loss(params, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["stack"])
+    h = jnp.tanh(jnp.einsum("bi,cij->bj", h, params["cube"]))
+    return jnp.mean(jnp.sin(h @ params["out"]))
+
+  specs = {
+    "stack": P(None, "data", None),
+    "cube": P(None, None, "data"),
+    "out": P(None, "data"),
+  }
+  return params, x, loss, specs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_params_split_off_the_leading_axis_give_the_float64_whole_batch_gradient(
+  mode,
+):
+  """Issue 39, item 4: shard_all gathers and scatters each param along its
+  leading axis, whichever `param_specs` splits, moving the axis there and
+  back. Against the whole batch's float64 gradient to 1e-12, sharded like
+  the params; and every gather and reduce-scatter jaccum asks for is along
+  axis 0."""
+  with jax.enable_x64(True):
+    params, x, loss, specs = split_off_the_leading_axis()
+    mesh = mesh_of(AxisType.Auto)
+    args = placed(mesh, params, specs, x)
+    step = step_of(loss, mesh, specs, mode)
+    value, grads = step(*args)
+    want_value, want_grads = jax.value_and_grad(loss)(params, x)
+    np.testing.assert_allclose(value, want_value, rtol=1e-12)
+    for name, grad in grads.items():
+      assert grad.dtype == jnp.float64, name
+      np.testing.assert_allclose(grad, want_grads[name], rtol=1e-12, atol=1e-14)
+      like = NamedSharding(mesh, specs[name])
+      assert grad.sharding.is_equivalent_to(like, grad.ndim), (name, grad.sharding)
+    if mode == "shard_all":
+      found = collectives_in(jax.make_jaxpr(step)(*args).jaxpr)
+      gathers = [p["all_gather_dimension"] for n, p in found if n == "all_gather"]
+      scatters = [p["scatter_dimension"] for n, p in found if n == "reduce_scatter"]
+      assert gathers and set(gathers) == {0}, found
+      assert scatters and set(scatters) == {0}, found
+
+
+def collectives_in(jaxpr):
+  """`(name, params)` of every gather and reduce-scatter, nested jaxprs too."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("all_gather", "reduce_scatter"):
+      found.append((eqn.primitive.name, eqn.params))
+    for value in eqn.params.values():
+      for inner in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          found += collectives_in(inner)
+  return found
+
+
 def test_what_each_mode_keeps_per_device_and_where_it_communicates():
   """Temporaries per device from XLA, and the collectives inside the loop.
 
@@ -181,23 +250,59 @@ def test_separate_layers_are_gathered_per_use_and_freed_between():
   assert counts.all_gather.outside_loops == 0, counts
 
 
-def test_shard_all_keeps_a_quarter_of_gather_onces_temporaries_on_stacked_layers():
-  """Issue 28, item 11: 8 layers of 1024² float32 in a remat'd scan, K = 4,
-  256 rows per micro-batch per device. The remainder over a hand-written
-  ZeRO-3 loop (measured 22.0 MiB against 26.0 here) is one stack of a
-  micro-step's scattered gradient shards (P/D), held beside the accumulator
-  before it is added: 4 MiB at 8 layers, 8 MiB at 16 (the guide says so)."""
+def _zero3_by_hand(layer, mesh, specs, remat):
+  """A hand-written ZeRO-3 step: each layer all-gathered inside its scan step,
+  its gradient reduce-scattered by JAX's transpose of the gather, K
+  micro-batches summed in a `lax.scan` under `shard_map`."""
+
+  def per_device(params, x):
+    def local_loss(params, rows):
+      def block(h, shard):
+        return layer(h, jax.lax.all_gather(shard, "data", axis=1, tiled=True))
+
+      h, _ = jax.lax.scan(
+        jax.checkpoint(block) if remat else block, rows, params["stack"]
+      )
+      head = jax.lax.all_gather(params["head"], "data", axis=0, tiled=True)
+      return jnp.mean((h @ head) ** 2) / DEVICES
+
+    def micro(acc, rows):
+      grads = jax.grad(local_loss)(params, rows)
+      return jax.tree.map(lambda a, g: a + g / K, acc, grads), None
+
+    rows = x.reshape(K, -1, x.shape[-1])
+    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), rows)[0]
+
+  return jax.jit(
+    jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs)
+  )
+
+
+@pytest.mark.parametrize(
+  ("rows", "remat", "bound"), [(64, False, 0.2), (256, True, 0.25), (64, True, 0.2)]
+)
+def test_shard_all_keeps_a_fifth_of_gather_once_and_no_more_than_zero3_by_hand(
+  rows, remat, bound
+):
+  """Issues 28 (item 11) and 39 (item 4): 8 layers of 1024² float32 in a
+  `lax.scan`, K = 4, `rows` per micro-batch per device. shard_all holds at
+  most `bound` times gather_once's temporaries (0.18 at 64 rows without
+  remat, 0.26 before each layer was gathered and scattered along its
+  leading axis and the stack tied per slice), and never more than a
+  hand-written ZeRO-3 loop of the same model (which, without remat, keeps
+  every gathered layer for the backward pass: 50 MiB)."""
   params = {
     "stack": jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32),
     "head": jax.ShapeDtypeStruct((1024, 8), jnp.float32),
   }
   specs = {"stack": P(None, None, "data"), "head": P("data")}
 
-  def loss(params, x):
-    def block(h, w):
-      return jnp.tanh(h @ w), None
+  def layer(h, w):
+    return jnp.tanh(h @ w), None
 
-    h, _ = jax.lax.scan(jax.checkpoint(block), x, params["stack"])
+  def loss(params, x):
+    block = jax.checkpoint(layer) if remat else layer
+    h, _ = jax.lax.scan(block, x, params["stack"])
     return jnp.mean((h @ params["head"]) ** 2)
 
   mesh = mesh_of(AxisType.Auto)
@@ -206,7 +311,7 @@ def test_shard_all_keeps_a_quarter_of_gather_onces_temporaries_on_stacked_layers
     for k, v in params.items()
   }
   x = jax.ShapeDtypeStruct(
-    (DEVICES * K * 256, 1024), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+    (DEVICES * K * rows, 1024), jnp.float32, sharding=NamedSharding(mesh, P("data"))
   )
   temps = {
     mode: jaccum.inspect.memory(
@@ -220,7 +325,10 @@ def test_shard_all_keeps_a_quarter_of_gather_onces_temporaries_on_stacked_layers
     ).temp_bytes
     for mode in ("gather_once", "shard_all")
   }
-  assert temps["shard_all"] <= 0.25 * temps["gather_once"], temps
+  by_hand = _zero3_by_hand(layer, mesh, specs, remat)
+  temps["by_hand"] = jaccum.inspect.memory(by_hand, sharded, x).temp_bytes
+  assert temps["shard_all"] <= bound * temps["gather_once"], temps
+  assert temps["shard_all"] <= temps["by_hand"], temps
 
 
 def device_groups(text):

@@ -76,14 +76,28 @@ class Sharded(NamedTuple):
   wire: Any = None
 
   def gather(self, shard: jax.Array) -> jax.Array:
-    return jax.lax.all_gather(shard, self.axes, axis=self.dim, tiled=True)
+    """The whole array, gathered along its leading axis and moved back.
+
+    XLA:CPU gathers and scatters along the major axis of a layout: gathered
+    along another, the whole array arrives in a transposed layout and is
+    copied back, two whole copies of it at once. Moved to the front, only
+    the shard is copied, and the dots that use the whole read it as it is.
+    """
+    if self.dim == 0:
+      return jax.lax.all_gather(shard, self.axes, axis=0, tiled=True)
+    leading = jnp.moveaxis(shard, self.dim, 0)
+    whole = jax.lax.all_gather(leading, self.axes, axis=0, tiled=True)
+    return jnp.moveaxis(whole, 0, self.dim)
 
   def scatter(self, whole: jax.Array) -> jax.Array:
-    """The sum over `axes` of `whole`, each device keeping its slice."""
+    """The sum over `axes` of `whole`, each device keeping its slice (scattered
+    along the leading axis, for the reason of `gather`)."""
     narrow = self.wire is not None and jnp.issubdtype(whole.dtype, jnp.floating)
     sent = whole.astype(self.wire) if narrow else whole
-    shard = psum_scatter(sent, self.axes, self.dim)
-    return shard.astype(whole.dtype)
+    if self.dim == 0:
+      return psum_scatter(sent, self.axes, 0).astype(whole.dtype)
+    shard = psum_scatter(jnp.moveaxis(sent, self.dim, 0), self.axes, 0)
+    return jnp.moveaxis(shard, 0, self.dim).astype(whole.dtype)
 
   def sliced(self) -> Sharded | None:
     """How a slice of the leading axis is split (None: the leading axis is)."""
@@ -182,6 +196,7 @@ def evaluate(
   inputs: Sequence[Sharded | None],
   outputs: Sequence[Sharded | None],
   weight: Any = None,
+  tie: Any = None,
 ) -> tuple[list[Any], list[jax.Array]]:
   """Evaluates `jaxpr` with sharded inputs and outputs, gathering and scattering.
 
@@ -197,6 +212,11 @@ def evaluate(
       (weights differ between devices, so it cannot be applied after); a
       weight of 0 contributes zeros, even where the output is NaN. None for
       none.
+    tie: what a gather is `tied` to where its equation reads nothing else
+      (the micro-batch's index), or None. Each shard is tied where it is
+      gathered, never whole beforehand: a tie makes a new array, and the
+      whole of a stack that a scan slices would be one more stack per
+      device (P/D) for as long as the scan runs.
 
   Returns:
     `(outs, sq_norms)`: the outputs (shards where `outputs` asks) and, for
@@ -211,13 +231,14 @@ def evaluate(
       wanted[var] = how
   scattered: dict[Var, tuple[Any, jax.Array]] = {}
 
-  def read(v: Any, tie: Any = None) -> Any:
+  def read(v: Any, use: Any = None) -> Any:
     if isinstance(v, Literal):
       return v.val
     if v in shards:  # a use: gather it here, for this equation alone
       shard, how = shards[v]
-      if tie is not None:
-        shard = tied(shard, tie)
+      use = tie if use is None else use
+      if use is not None:
+        shard = tied(shard, use)
       return how.gather(shard)
     return env[v]
 
@@ -250,14 +271,14 @@ def evaluate(
       # Evaluated here, so that their slices are gathered and scattered one at a
       # time.
       run = _scan if name == "scan" else _inline
-      outs, made = run(eqn, read, shards, wanted, weight)
+      outs, made = run(eqn, read, shards, wanted, weight, tie)
       scattered.update(made)
     else:
       params = eqn.primitive.get_bind_params(eqn.params)
       others = [env[v] for v in eqn.invars if isinstance(v, Var) and v in env]
-      tie = next((o for o in others if isinstance(o, jax.Array)), None)
+      use = next((o for o in others if isinstance(o, jax.Array)), None)
       with eqn.ctx.manager:
-        result = eqn.primitive.bind(*(read(v, tie) for v in eqn.invars), **params)
+        result = eqn.primitive.bind(*(read(v, use) for v in eqn.invars), **params)
       outs = result if eqn.primitive.multiple_results else [result]
     for var, value in zip(eqn.outvars, outs, strict=True):
       if value is None:
@@ -293,12 +314,14 @@ def _split(eqn: Any, shards: dict[Var, tuple[Any, Sharded]], read: Any, sliced: 
   return inputs, operands
 
 
-def _inline(eqn, read, shards, wanted, weight):
+def _inline(eqn, read, shards, wanted, weight, tie):
   """A `jit` call evaluated in place, its inputs and outputs as sharded as ours."""
   closed = eqn.params["jaxpr"]
   inputs, operands = _split(eqn, shards, read, lambda i, how: how)
   outputs = [wanted.get(v) for v in eqn.outvars]
-  outs, norms = evaluate(closed.jaxpr, closed.consts, operands, inputs, outputs, weight)
+  outs, norms = evaluate(
+    closed.jaxpr, closed.consts, operands, inputs, outputs, weight, tie
+  )
   norm_iter = iter(norms)
   made = {
     v: (value, next(norm_iter))
@@ -310,7 +333,7 @@ def _inline(eqn, read, shards, wanted, weight):
   ], made
 
 
-def _scan(eqn, read, shards, wanted, weight):
+def _scan(eqn, read, shards, wanted, weight, tie):
   """A `lax.scan` whose slices are gathered and scattered one at a time.
 
   A sharded input it slices (an `xs` operand) goes in as the shard stack and
@@ -340,7 +363,7 @@ def _scan(eqn, read, shards, wanted, weight):
   def step(state, x):
     carry, norm_sums = state
     outs, norms = evaluate(
-      body.jaxpr, body.consts, [*consts, *carry, *x], inputs, outputs, weight
+      body.jaxpr, body.consts, [*consts, *carry, *x], inputs, outputs, weight, tie
     )
     sums = [a + b for a, b in zip(norm_sums, norms, strict=True)]
     return (outs[:num_carry], sums), outs[num_carry:]

@@ -278,15 +278,18 @@ class MicroStep(NamedTuple):
     values = [*consts, *(x for x, d in zip(leaves, self.dynamic, strict=True) if d)]
     norms: list[jax.Array] = []
     if any(self.gathered) or scattered is not None:
-      # Shards tied to the iteration: XLA would hoist a gather of a
-      # loop-invariant shard out of the loop, and keep it whole throughout.
-      values = [
-        fsdp.tied(v, index) if how else v
-        for v, how in zip(values, self.gathered, strict=True)
-      ]
+      # Gathers tied to the iteration where nothing else ties them: XLA would
+      # hoist a gather of a loop-invariant shard out of the loop, and keep it
+      # whole throughout.
       outputs = list(scattered or [None] * len(self.closed.jaxpr.outvars))
       flat_out, norms = fsdp.evaluate(
-        self.closed.jaxpr, self.closed.consts, values, self.gathered, outputs, weight
+        self.closed.jaxpr,
+        self.closed.consts,
+        values,
+        self.gathered,
+        outputs,
+        weight,
+        tie=index,
       )
     else:
       flat_out = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *values)

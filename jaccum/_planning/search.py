@@ -137,7 +137,9 @@ class Search:
       flops=flops,
       bytes_accessed=accessed,
       wire_bytes=wire,
-      predicted_seconds=self.cost_model.seconds(k, flops / k, accessed / k, wire or 0),
+      predicted_seconds=self.cost_model.seconds(
+        k, flops / k, accessed / k, wire or 0, stats.temp_bytes
+      ),
       fits=peak <= self.budget,
       order=len(self.points) + 1,
       stats=stats,
