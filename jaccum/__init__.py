@@ -12,6 +12,7 @@ from jaccum._planning.fit_plan import fit_plan
 from jaccum._planning.points import Plan, PlanPoint, Remat
 from jaccum._routes.accumulate import accumulate, data_parallel
 from jaccum._routes.coupled import accumulate_coupled
+from jaccum._training.diloco import DiLoCo, DiLoCoState
 from jaccum._training.multisteps import MultiSteps, MultiStepsState
 from jaccum._training.noise_scale import NoiseScaleEMA, NoiseScaleEMAState
 from jaccum._training.powersgd import PowerSGD, PowerSGDState
@@ -29,6 +30,8 @@ __all__ = [
   "BatchSizeController",
   "BatchSizeControllerState",
   "CostModel",
+  "DiLoCo",
+  "DiLoCoState",
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",
