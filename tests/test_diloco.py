@@ -303,6 +303,10 @@ def bytes_per_phase(fragments, delay, sync_every=4, replicas=4, **options):
   for count in range(sync_every, 2 * sync_every):  # the second round
     at = state._replace(count=jnp.full_like(state.count, count))
     sent.append(slow_bytes(jaccum.inspect.collectives(step, params, at, xs[0], ys[0])))
+  # What train_step reports: the same, averaged over the round.
+  assert step.bytes_per_step(params, state, xs[0], ys[0]) == (
+    {AXIS: sum(sent) / sync_every} if sum(sent) else {}
+  )
   return sent
 
 

@@ -551,8 +551,8 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     ...     updates, state = diloco.update(grads, state, w)
     ...     w = optax.apply_updates(w, updates)
     ...   return w[None]
-    >>> train = jax.shard_map(train, mesh=mesh, in_specs=jax.P(),
-    ...                       out_specs=jax.P("replica"))
+    >>> train = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=jax.P(),
+    ...                               out_specs=jax.P("replica")))
     >>> w = train(jnp.zeros(2))
     >>> w.shape == (n, 2), bool(jnp.allclose(w, -0.2 * (n - 1) / 2))
     (True, True)
@@ -670,8 +670,10 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     Returns:
       A step with `init(params) -> (params, state)`, `__call__(params,
       state, *args) -> (params, state, value)`, `lower(params, state, *args)`
-      (the program that call runs) and `shared(state)` (the shared params,
-      one copy, for evaluation).
+      (the program that call runs), `bytes_per_step(params, state, *args)`
+      (`{mesh axis: bytes}` a step sends per device, averaged over a round:
+      each phase's program compiled once and counted) and `shared(state)`
+      (the shared params, one copy, for evaluation).
 
     Raises:
       ValueError: if `axis_name` or `axis` is not an axis of the mesh, or

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from jaccum import inspect as _inspect
 from jaccum._routes.accumulate import accumulate
 from jaccum._routes.placement import place
 
@@ -194,6 +195,32 @@ class TrainStep:
     """The program `self(params, state, *args)` runs, lowered (`jax.stages`)."""
     phase, _ = self._phase(state)
     return self._program(phase, len(args)).lower(params, state, *args)
+
+  def bytes_per_step(self, params: Any, state: Any, *args: Any) -> dict[Any, float]:
+    """The bytes a step sends over each mesh axis, averaged over a round.
+
+    Each call of a round (the second: every fragment's reduction and
+    landing as they recur) runs its phase's program; each distinct program
+    is compiled once and its collectives counted (`jaccum.inspect`), per
+    device and by mesh axes as `CollectiveCounts.by_axis` keys them.
+
+    Returns:
+      `{axis key: bytes}`, the round's bytes ÷ H: data parallel's figure
+      over the slow axis, ÷ H.
+    """
+    sync_every = self._core.o.sync_every
+    calls: dict[int, int] = {}
+    for step in range(sync_every + 1, 2 * sync_every + 1):
+      phase = self._core.phase(step)
+      calls[phase] = calls.get(phase, 0) + 1
+    total: dict[Any, float] = {}
+    for phase, times in calls.items():
+      program = self._program(phase, len(args))
+      counts = _inspect.collectives(program, params, state, *args)
+      for key, count in counts.by_axis.items():
+        sent = (count.bytes_inside_loops or 0) + count.bytes_outside_loops
+        total[key] = total.get(key, 0.0) + times * sent / sync_every
+    return total
 
   def __call__(self, params: Any, state: Any, *args: Any) -> tuple[Any, Any, Any]:
     """One step on every replica: `(params, state, value)`."""
