@@ -35,6 +35,9 @@ from jaccum._training.diloco_fragments import Fragments, wide
 
 ReduceFn = Callable[[Any, tuple[str, ...], Any], tuple[Any, Any]]
 
+# `Core.advance`'s phase for the steps that send nothing over the slow axis.
+QUIET = "quiet"
+
 
 class DiLoCoState(NamedTuple):
   """State of `DiLoCo`, one per replica.
@@ -228,6 +231,15 @@ class Core:
     """What call number `step` does (`phase_of`)."""
     return phase_of(step, self.o)
 
+  def program(self, step: int) -> int | str:
+    """The program call number `step` runs on its own: its phase if it
+    reduces over the slow axis, else `QUIET`, one program for every phase
+    that does not (an inner step only; with a delay, a reduction's start)."""
+    phase = self.phase(step)
+    if phase == 0 or (self.o.delay and phase <= self.o.num_fragments):
+      return QUIET if self.o.delay else 0
+    return phase
+
   def init(self, params: optax.Params) -> DiLoCoState:
     """The state before the first step: the snapshot is `params`."""
     o = self.o
@@ -302,11 +314,12 @@ class Core:
     grads: optax.Updates,
     state: DiLoCoState,
     params: optax.Params | None,
-    phase: int | None,
+    phase: int | str | None,
     extra_args: dict[str, Any],
   ) -> tuple[Any, Any, DiLoCoState]:
     """One inner step and whatever the step's phase does (`phase_of`; None:
-    read from the count, traced). Returns `(updates, new_params, state)`:
+    read from the count, traced; `QUIET`: the same among the phases that
+    send nothing). Returns `(updates, new_params, state)`:
     the updates `update` returns, and the params they lead to, exactly the
     shared params for a fragment that lands (`optax.apply_updates` of the
     updates rounds there: `p + (new - p)`)."""
@@ -333,11 +346,14 @@ class Core:
       # invariant: a switch wants one type, a loop its carry's.
       return lambda *args: cast_varying(branch(*args), vary)
 
-    if phase is None:
-      index = phase_of(state.count + 1, o)
-      out = jax.lax.switch(index, [typed(b) for b in branches], u, p, carry)
-    else:
+    if isinstance(phase, int):
       out = typed(branches[phase])(u, p, carry)
+    else:
+      index = phase_of(state.count + 1, o)
+      if phase == QUIET:  # the phases that send nothing: 0 and the starts
+        branches = branches[: 1 + o.num_fragments]
+        index = jnp.minimum(index, o.num_fragments)
+      out = jax.lax.switch(index, [typed(b) for b in branches], u, p, carry)
     new_updates, new_params, carry = out
     unflat = lambda leaves: jax.tree.unflatten(fragments.treedef, leaves)
     new_state = DiLoCoState(
@@ -647,12 +663,16 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     over `axis_name`; the batch arguments are split over `axis_name` (then
     `axis`) on their first axis, the others passed whole; the value comes
     back one row per replica. Called with a concrete state (not under your
-    `jit`), each phase of a round (an inner step only, fragment f's sync,
-    its landing) is its own compiled program: at most 1 + 2P programs, and
-    an inner step's program holds no collective over `axis_name`, so
+    `jit`), the step count is read on the host (from the state the last call
+    returned, without waiting for the device; once from the device for a
+    state from elsewhere) and each reduction over `axis_name` (fragment f's
+    sync, or its landing with a delay) is a compiled program of its own; the
+    steps that send nothing share one more (P + 1 programs). So the inner
+    steps' program holds no collective over `axis_name`,
     `jaccum.inspect.collectives(step, params, state, batch)` counts what
-    the call with that state sends. Under your `jit` the phase is read from
-    the traced count (a `lax.switch`).
+    the call with that state sends, and a landing's reduction shares its
+    program with nothing but that step's own compute. Under your `jit` the
+    phase is read from the traced count (a `lax.switch`).
 
     Args:
       value_and_grad_fn: `fn(params, *args) -> (value, grads)`, e.g.

@@ -131,18 +131,21 @@ class TrainStep:
     """The shared params (`state.snapshot`), one copy, replicated."""
     # Every replica holds the same snapshot (the same reduction and outer
     # step, bit for bit), so each device's row is the copy: no collective.
-    first = jax.shard_map(
-      lambda tree: jax.tree.map(lambda x: x[0], tree),
-      mesh=self._mesh(),
-      in_specs=P(self._slow),
-      out_specs=P(),
-      axis_names=set(self._slow),
-      check_vma=False,
-    )
-    return jax.jit(first)(state.snapshot)
+    if "shared" not in self._programs:
+      first = jax.shard_map(
+        lambda tree: jax.tree.map(lambda x: x[0], tree),
+        mesh=self._mesh(),
+        in_specs=P(self._slow),
+        out_specs=P(),
+        axis_names=set(self._slow),
+        check_vma=False,
+      )
+      self._programs["shared"] = jax.jit(first)
+    return self._programs["shared"](state.snapshot)
 
   def _phase(self, state: Any) -> tuple[Any, int | None]:
-    """The step's phase, static where the count is known on the host."""
+    """The step's program (`Core.program`) where the count is known on the
+    host, else None (read from the traced count); and the call's number."""
     count = state.count
     if isinstance(count, Tracer):
       return None, None
@@ -150,15 +153,15 @@ class TrainStep:
       done = self._known[1]
     else:  # a state from elsewhere (a checkpoint): one read of the device
       done = int(np.asarray(count).reshape(-1)[0])
-    return self._core.phase(done + 1), done + 1
+    return self._core.program(done + 1), done + 1
 
-  def _program(self, phase: int | None, num_args: int) -> Callable[..., Any]:
+  def _program(self, phase: int | str | None, num_args: int) -> Callable[..., Any]:
     key = (phase, num_args)
     if key not in self._programs:
       self._programs[key] = self._build(phase, num_args)
     return self._programs[key]
 
-  def _build(self, phase: int | None, num_args: int) -> Callable[..., Any]:
+  def _build(self, phase: int | str | None, num_args: int) -> Callable[..., Any]:
     mesh, core, fn = self._mesh(), self._core, self._fn
     split = P((*self._slow, *self._fast))
     arg_specs = [split if i + 1 in self._batch_at else P() for i in range(num_args)]
@@ -209,9 +212,9 @@ class TrainStep:
       over the slow axis, ÷ H.
     """
     sync_every = self._core.o.sync_every
-    calls: dict[int, int] = {}
+    calls: dict[Any, int] = {}
     for step in range(sync_every + 1, 2 * sync_every + 1):
-      phase = self._core.phase(step)
+      phase = self._core.program(step)
       calls[phase] = calls.get(phase, 0) + 1
     total: dict[Any, float] = {}
     for phase, times in calls.items():
