@@ -36,6 +36,11 @@ Parts, run in this order (`--parts` picks some):
 * `coupled` (`coupled.py`): `jaccum.accumulate_coupled` on a CLIP loss over
   two activation-dominated towers against the whole batch and GradCache
   written by hand, K = 2 … 64: temporaries and step time.
+* `diloco` (`diloco.py`, its own process): `jaccum.DiLoCo` against data
+  parallel on 8 simulated CPU devices (4 replicas × 2): the bytes a step
+  sends over each mesh axis, averaged over a round of 32 steps, the most a
+  call sends over the slow axis, the state it adds, for DiLoCo and
+  Streaming DiLoCo (4 fragments, delay 1), with a bf16 wire too.
 
 Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`):
 

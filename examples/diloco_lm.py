@@ -164,7 +164,9 @@ def train(ways, size, train_data, eval_tokens):
     rng, began, curve = np.random.default_rng(0), time.perf_counter(), []
     for t in range(1, size.steps + 1):
       tokens = jnp.asarray(windows(train_data, size, size.batch, rng))
-      params, state, value = step(params, state, tokens)
+      # Waited for each step: XLA:CPU's simulated devices can deadlock with
+      # many programs holding collectives in flight.
+      params, state, value = jax.block_until_ready(step(params, state, tokens))
       if t == 1:
         sent[name] = bytes_fn(params, state, tokens)
       if t % size.eval_every == 0:

@@ -208,8 +208,8 @@ class TrainStep:
     device and by mesh axes as `CollectiveCounts.by_axis` keys them.
 
     Returns:
-      `{axis key: bytes}`, the round's bytes ÷ H: data parallel's figure
-      over the slow axis, ÷ H.
+      `{axis key: bytes}`, the round's bytes ÷ H (data parallel's figure
+      over the slow axis, ÷ H), the keys in the mesh's order.
     """
     sync_every = self._core.o.sync_every
     calls: dict[Any, int] = {}
@@ -223,7 +223,13 @@ class TrainStep:
       for key, count in counts.by_axis.items():
         sent = (count.bytes_inside_loops or 0) + count.bytes_outside_loops
         total[key] = total.get(key, 0.0) + times * sent / sync_every
-    return total
+    names = self._mesh().axis_names
+
+    def mesh_order(key: Any) -> tuple[int, list[int]]:
+      axes = () if key is None else (key,) if isinstance(key, str) else key
+      return len(axes), [names.index(a) for a in axes]
+
+    return {key: total[key] for key in sorted(total, key=mesh_order)}
 
   def __call__(self, params: Any, state: Any, *args: Any) -> tuple[Any, Any, Any]:
     """One step on every replica: `(params, state, value)`."""
