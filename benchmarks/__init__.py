@@ -26,7 +26,8 @@ Parts, run in this order (`--parts` picks some):
   per option (float32, overlap, bf16 on the wire, PowerSGD), and bf16's error.
 * `pipeline` (`pipeline.py`, its own process): `jaccum.pipeline`'s schedules
   on 4 simulated CPU devices: temporaries against K, FLOPs per tick, the
-  bubble with interleaved stages, the head's FLOPs.
+  bubble with interleaved stages and ZB-V, the temporaries at a small size
+  and what each device holds, the head's FLOPs.
 * `plan` (`plan.py`): `jaccum.fit_plan`'s choice of K and remat policy,
   by its cost model and with `measure=`, against every point of its grid,
   timed, on an MLP, a digits-sized CNN, a transformer LM and an in-batch

@@ -115,6 +115,13 @@ def _coupled(args: argparse.Namespace) -> dict[str, Any]:
   return coupled.run(args.quick, args.rounds)
 
 
+def _private(args: argparse.Namespace) -> dict[str, Any]:
+  from benchmarks import private
+
+  # In this process: one device, like the sweep's.
+  return private.run(args.quick, args.rounds)
+
+
 # name: how to run it. Parts run in this order, one at a time; the processes
 # of the distributed, fsdp, reduction, pipeline and diloco parts (and the
 # deterministic part's bytes) are waited for before the next part starts.
@@ -132,6 +139,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "coupled": _coupled,
   "deterministic": _deterministic,
   "diloco": _diloco,
+  "private": _private,
 }
 
 

@@ -15,10 +15,14 @@ input. For each schedule it reports, from the compiled step:
 * FLOPs per tick (`compiled.cost_analysis()`, which counts a loop's body
   once), in units of F, the forward of what a tick runs (a stage, or a
   virtual stage) on one micro-batch, compiled alone: F + B is about 3, 2F + B
-  about 4, ZB-H1's F, B or W about 1;
+  about 4, ZB-H1's F, B or W about 1 (ZB-V's, half a stage's, 1 too);
 * the idle share of the device-ticks and the step time in lockstep ticks
   (each as long as its busiest device, F = B = W = 1 for a whole stage), from
   the schedule each runs (`jaccum.pipeline_schedule`), for V = 1, 2, 4;
+* temporaries per device at a small size (issue 39: residual tanh blocks of
+  width 64, 256 rows, K = 8), 1F1B, ZB-H1 and ZB-V, and how many
+  micro-batches each device holds from F to W (in whole stages), from the
+  schedule: the SPMD program gives every device the same buffers;
 * the head: a GPT-2-small-sized output layer (768 → 50,257) and its loss,
   after the pipeline as plain JAX on the output every stage holds, the same
   with the output spread over the stages by a sharding constraint, and as
@@ -29,7 +33,7 @@ It also draws the schedules at S = 4, K = 8 (`--schedule-out`, by default
 `pipeline_schedule.png` beside the results; the guide's picture is
 `docs/_static/pipeline_schedule.png`).
 
-    python -m benchmarks.pipeline          # 63 programs compiled: minutes on 2 cores
+    python -m benchmarks.pipeline          # 79 programs compiled: minutes on 2 cores
     python -m benchmarks.pipeline --quick  # K = 2S and 4S, for CI
 
 Writes `benchmarks/results/pipeline.json` and `pipeline.md` (`results/quick/`
@@ -79,9 +83,28 @@ SCHEDULES = {
   "1f1b+remat V=2": ({"schedule": "1f1b", "remat": True}, True, 2),
   "zb-h1": ({"schedule": "zb-h1"}, True, 1),
   "zb-h1+remat": ({"schedule": "zb-h1", "remat": True}, True, 1),
+  "zb-v": ({"schedule": "zb-v"}, True, 2),
+  "zb-v+remat": ({"schedule": "zb-v", "remat": True}, True, 2),
 }
 # The idle share's rows: (schedule, V); GPipe's equals 1F1B's at every V.
-IDLE = [("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4), ("zb-h1", 1)]
+IDLE = [
+  ("gpipe", 1),
+  ("1f1b", 1),
+  ("1f1b", 2),
+  ("1f1b", 4),
+  ("zb-h1", 1),
+  ("zb-v", 2),
+]
+# The small size (issue 39): residual tanh blocks of width 64 (64 → 128 → 64),
+# 256 rows, K = 8; (schedule, V, blocks per stage or chunk).
+SMALL_WIDTH, SMALL_ROWS = 64, 256
+SMALL = [
+  ("1f1b", 1, 1),
+  ("zb-h1", 1, 1),
+  ("1f1b", 1, 2),
+  ("zb-h1", 1, 2),
+  ("zb-v", 2, 1),
+]
 HEAD_WIDTH, VOCAB, HEAD_ROWS = 768, 50257, 8
 
 
@@ -181,6 +204,66 @@ def idle_shares(num_stages, ks):
   return out
 
 
+def small_temporaries(mesh):
+  """Temporaries per device at the small size: `{"schedule V=v, n blocks":
+  bytes}`, `value_and_grad` of a loss in the last stage."""
+  S, K = NUM_STAGES, 2 * NUM_STAGES
+
+  def blocks(params, x):
+    for i in range(params["w_in"].shape[0]):
+      hidden = jnp.tanh(x @ params["w_in"][i] + params["b"][i])
+      x = x + params["scale"][i] * (hidden @ params["w_out"][i])
+    return x
+
+  loss_fn = lambda y, t: jnp.sum(jnp.sin(y) @ jnp.linspace(0, 1, SMALL_WIDTH) * t)
+  out = {}
+  for name, num_chunks, num_blocks in SMALL:
+    lead = ((S,) if num_chunks == 1 else (num_chunks, S)) + (num_blocks,)
+    width, hidden = SMALL_WIDTH, 2 * SMALL_WIDTH
+    shapes = {"w_in": (width, hidden), "b": (hidden,), "w_out": (hidden, width)}
+    params = {
+      name: jax.ShapeDtypeStruct((*lead, *shape), jnp.float32)
+      for name, shape in {**shapes, "scale": ()}.items()
+    }
+    pipe = jaccum.pipeline(
+      blocks,
+      K,
+      mesh=mesh,
+      schedule=name,
+      num_virtual_stages=num_chunks,
+      loss_fn=loss_fn,
+    )
+    x = jax.ShapeDtypeStruct((SMALL_ROWS, width), jnp.float32)
+    t = jax.ShapeDtypeStruct((SMALL_ROWS,), jnp.float32)
+    fn = jax.value_and_grad(lambda p, x, t, pipe=pipe: pipe(p, x, t), argnums=(0, 1))
+    compiled = jax.jit(fn).lower(params, x, t).compile()
+    label = f"{name} V={num_chunks}, {num_blocks * S * num_chunks} blocks"
+    out[label] = compiled.memory_analysis().temp_size_in_bytes
+    print(f"small: {label:<26} {out[label] / 1e3:9.1f} kB", flush=True)
+  return out
+
+
+def held_per_device(num_stages, num_microbatches):
+  """`{schedule: [per device, the most micro-batches held from F to the end
+  of their backward]}`, in whole stages (a chunk is 1/V): what each device
+  of the SPMD program fills of the buffers all of them allocate alike."""
+  out = {}
+  for name, v in (("1f1b", 1), ("zb-h1", 1), ("1f1b", 2), ("zb-v", 2)):
+    schedule = jaccum.pipeline_schedule(
+      num_stages, num_microbatches, schedule=name, num_virtual_stages=v
+    )
+    held = []
+    for s in range(num_stages):
+      live, most = set(), 0
+      for tick in schedule.ticks:
+        live |= {(k, c) for kind, k, c in tick[s] if kind == "F"}
+        most = max(most, len(live))
+        live -= {(k, c) for kind, k, c in tick[s] if kind == "W"}
+      held.append(most / v)
+    out[name if v == 1 else f"{name} V={v}"] = held
+  return out
+
+
 def plot_schedules(num_stages, num_microbatches, path: pathlib.Path) -> None:
   """Each schedule as a timeline of lockstep ticks, from `pipeline_schedule`:
   a tick lasts as long as its busiest device's work (F, B, W each 1/V of a
@@ -191,8 +274,9 @@ def plot_schedules(num_stages, num_microbatches, path: pathlib.Path) -> None:
     ("1f1b", 1, "1F1B, the loss in the last stage: a forward and a backward per tick"),
     ("1f1b", 2, "1F1B, num_virtual_stages=2 (the second stage per device hatched)"),
     ("zb-h1", 1, "ZB-H1: one of F, B, W per tick, W where the device would idle"),
+    ("zb-v", 2, "ZB-V: two chunks per device in a V, one of F, B, W per tick"),
   ]
-  fig, axes = plt.subplots(len(panels), 1, figsize=(12, 8.4))
+  fig, axes = plt.subplots(len(panels), 1, figsize=(12, 10.5))
   ends = []
   for ax, (name, num_chunks, title) in zip(axes, panels, strict=True):
     schedule = jaccum.pipeline_schedule(
@@ -301,6 +385,10 @@ def run(quick: bool) -> dict:
     print(
       f"{label} idle: " + ", ".join(f"K={k} {b['idle']:.1%}" for k, b in by_k.items())
     )
+  small = small_temporaries(mesh)
+  held = held_per_device(S, 2 * S)
+  for name, by_device in held.items():
+    print(f"{name} held per device at K = {2 * S}: {by_device}")
   heads = head_flops(mesh)
   print(
     "head FLOPs per device (MFLOP): "
@@ -316,6 +404,8 @@ def run(quick: bool) -> dict:
     "forward_flops": forward,
     "schedules": rows,
     "idle": idle,
+    "small": {"width": SMALL_WIDTH, "rows": SMALL_ROWS, "temp_bytes": small},
+    "held": held,
     "head": {"width": HEAD_WIDTH, "vocab": VOCAB, **heads},
   }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import statistics
 from typing import Any
 
@@ -371,14 +372,52 @@ def pipeline_section(pipeline: dict[str, Any]) -> str:
       "(`jaccum.pipeline_schedule`), each tick as long as its busiest device, "
       "F = B = W = 1/V of a whole stage's forward; in brackets the step time "
       "in those units. GPipe's and 1F1B's are the bubble (S − 1)/(V·K + S − 1), "
-      "ZB-H1's (S − 1)/(3K + S − 1).\n",
+      "ZB-H1's (S − 1)/(3K + S − 1), ZB-V's (S − 1)/(6K + S − 1).\n",
       idle,
+      *_pipeline_small(pipeline),
       f"\nThe head: an output layer {head['width']} → {head['vocab']:,} and its "
       f"cross-entropy on {head['rows']} rows (K = {K}), GFLOP per device per step "
       "(the step's, less the same step's with a trivial loss):\n",
       markdown_table(["head and loss", "GFLOP"], head_rows),
     ]
   )
+
+
+def _pipeline_small(pipeline: dict[str, Any]) -> list[str]:
+  """The small size's temporaries, and what each device holds."""
+  if "small" not in pipeline:
+    return []
+  small = pipeline["small"]
+  temps = small["temp_bytes"]
+  base = {label.split(",")[1]: temps[label] for label in temps if "1f1b" in label}
+  rows = [
+    [
+      label,
+      f"{temp / 1e3:.1f}",
+      f"{temp / base[label.split(',')[1]]:.3f}" if label.split(",")[1] in base else "",
+    ]
+    for label, temp in temps.items()
+  ]
+  held = pipeline["held"]
+  held_rows = [
+    [name, *(f"{h:g}" for h in by_device), f"{max(by_device) / min(by_device):.2f}"]
+    for name, by_device in held.items()
+  ]
+  num_devices = len(next(iter(held.values())))
+  return [
+    f"\nThe small size: residual tanh blocks of width {small['width']} "
+    f"({small['width']} → {2 * small['width']} → {small['width']}), "
+    f"{small['rows']} rows, K = 8, the loss in the last stage; temporaries per "
+    "device in kB, and against 1F1B on the same blocks:\n",
+    markdown_table(["schedule", "kB", "× 1f1b"], rows),
+    "\nMicro-batches each device holds at most from its F to the end of its "
+    "backward (W), in whole stages (a chunk counts 1/V), K = 8, from the "
+    "schedule: every device of the SPMD program allocates the same buffers, "
+    "sized for the device that needs the most.\n",
+    markdown_table(
+      ["", *(f"device {s}" for s in range(num_devices)), "max ÷ min"], held_rows
+    ),
+  ]
 
 
 def fsdp_section(fsdp: dict[str, Any]) -> str:
@@ -789,6 +828,7 @@ SECTIONS = {
   "coupled": coupled_section,
   "deterministic": deterministic_section,
   "diloco": diloco_section,
+  "private": lambda part: importlib.import_module("benchmarks.private").section(part),
 }
 
 

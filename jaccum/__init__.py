@@ -12,6 +12,7 @@ from jaccum._planning.fit_plan import fit_plan
 from jaccum._planning.points import Plan, PlanPoint, Remat
 from jaccum._routes.accumulate import accumulate, data_parallel
 from jaccum._routes.coupled import accumulate_coupled
+from jaccum._routes.private import dp_value_and_grad
 from jaccum._training.diloco import DiLoCo, DiLoCoState
 from jaccum._training.multisteps import MultiSteps, MultiStepsState
 from jaccum._training.noise_scale import NoiseScaleEMA, NoiseScaleEMAState
@@ -46,6 +47,7 @@ __all__ = [
   "accumulate",
   "accumulate_coupled",
   "data_parallel",
+  "dp_value_and_grad",
   "fit_microbatches",
   "fit_plan",
   "fit_train_step",

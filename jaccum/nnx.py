@@ -18,10 +18,10 @@ except ModuleNotFoundError as e:  # Flax is an optional dependency of jaccum.
 from jaccum._core.rewrites import spec_axes
 from jaccum._core.step import Function
 from jaccum._routes import options as options_lib
-from jaccum._routes import placement, plan, rules, wrappers
+from jaccum._routes import placement, plan, private, rules, wrappers
 from jaccum._routes.accumulate import FsdpMode
 
-__all__ = ["grad", "value_and_grad"]
+__all__ = ["dp_value_and_grad", "grad", "value_and_grad"]
 
 P = jax.sharding.PartitionSpec
 
@@ -544,3 +544,158 @@ def grad(
   return _transform(
     loss_fn, num_microbatches, has_aux, False, wrt, on_mesh, accumulate_kwargs
   )
+
+
+def _params_alone(model: nnx.Module, wrt: Any) -> tuple[Any, Any, Any]:
+  """`(graphdef, params, rest)`, refusing variables outside `wrt` that hold arrays.
+
+  Such variables change as the model runs (BatchNorm statistics, nnx.Rngs
+  counts): threaded through the examples, they would couple them.
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+      "the first argument must be the nnx.Module to differentiate, "
+      f"loss_fn(model, *batch), got {type(model).__name__}."
+    )
+  graphdef, params, rest = nnx.split(model, wrt, ...)
+  found = [
+    f"{'/'.join(map(str, path))} ({type(variable).__name__})"
+    for path, variable in nnx.to_flat_state(rest)
+    if jax.tree.leaves(variable)
+  ]
+  if found:
+    raise ValueError(
+      f"jaccum.nnx.dp_value_and_grad takes a model of parameters alone, but it "
+      f"holds other variables: {', '.join(found)}. Batch statistics "
+      f"(BatchNorm) mix the examples of a batch, so that no example's gradient "
+      f"is its own and clipping it bounds nothing; a stateful nnx.Rngs would be "
+      f"threaded through the examples. Use a per-example normalisation "
+      f"(LayerNorm, GroupNorm) and draw dropout from a key passed as an "
+      f"argument (rng_argnum)."
+    )
+  if not jax.tree.leaves(params):
+    raise ValueError(f"the model holds no variables matching wrt={wrt!r}.")
+  return graphdef, params, rest
+
+
+def dp_value_and_grad(
+  loss_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  l2_clip_norm: float,
+  noise_multiplier: float,
+  normalize_by: float | None = None,
+  norms: str = "auto",
+  return_norms: bool = False,
+  wrt: Any = nnx.Param,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  axis: str | tuple[str, ...] = "data",
+  param_specs: Any = None,
+  fsdp_mode: FsdpMode = "gather_once",
+  **accumulate_kwargs: Any,
+) -> Callable[..., Any]:
+  """`jaccum.dp_value_and_grad` for an NNX model: `f(model, *batch)`.
+
+  `loss_fn(model, *batch, **kwargs)` returns one loss per example (shape
+  `[rows]`); the model holds parameters alone (the `wrt` variables): a
+  variable that changes as the model runs (BatchNorm statistics, an
+  `nnx.Rngs`) is refused by name, since it couples the examples. Every
+  positional argument after the model is the batch unless `batch_argnums`
+  says otherwise (counted from the model at 0). The meaning of the result,
+  the options and the errors are those of `jaccum.dp_value_and_grad`;
+  `mesh`, `axis`, `param_specs` and `fsdp_mode` are those of
+  `jaccum.nnx.value_and_grad`.
+
+  Args:
+    loss_fn: `loss_fn(model, *batch, **kwargs) -> [rows]`.
+    num_microbatches: K.
+    l2_clip_norm: C > 0.
+    noise_multiplier: σ >= 0.
+    normalize_by: the noised sum is divided by it (None: the rows given).
+    norms: `"auto"` or `"vmap"`.
+    return_norms: also return each example's gradient norm.
+    wrt: an nnx filter of the parameters.
+    mesh: run as `jaccum.data_parallel` on this mesh.
+    axis: the mesh axis (or axes) the batch is split over.
+    param_specs: `PartitionSpec`s of the `wrt` variables (None: their
+      sharding metadata).
+    fsdp_mode: as for `jaccum.data_parallel`.
+    **accumulate_kwargs: `jaccum.dp_value_and_grad`'s other options.
+
+  Returns:
+    `f(model, *batch, noise_key=None, example_mask=None,
+    num_real_microbatches=None, **kwargs) -> (loss, grads)` (or `(loss,
+    grads, norms)`), `grads` an `nnx.State` of the `wrt` variables, as
+    `nnx.Optimizer.update(model, grads)` takes it.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaccum.nnx
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> def loss_fn(model, x, y):  # one loss per example
+    ...   return (model(x)[:, 0] - y) ** 2
+    >>> x, y = jnp.arange(24.0).reshape(8, 3) / 10, jnp.arange(8.0)
+    >>> step = jaccum.nnx.dp_value_and_grad(
+    ...   loss_fn, 4, l2_clip_norm=1.0, noise_multiplier=1.0)
+    >>> loss, grads = step(model, x, y, noise_key=jax.random.key(0))
+    >>> grads["kernel"][...].shape
+    (3, 1)
+  """
+  on_mesh = _on_mesh(mesh, axis, param_specs, fsdp_mode)
+  given = accumulate_kwargs.pop("batch_argnums", None)
+  base = private.make_options(
+    loss_fn,
+    num_microbatches,
+    l2_clip_norm=l2_clip_norm,
+    noise_multiplier=noise_multiplier,
+    normalize_by=normalize_by,
+    batch_argnums=1 if given is None else given,
+    norms=norms,
+    return_norms=return_norms,
+    options=dict(accumulate_kwargs),
+  )
+  if on_mesh is not None:  # checked now rather than at the first call
+    options_lib.on_mesh(on_mesh.mesh, on_mesh.axis, None, on_mesh.fsdp_mode, {})
+
+  def step(
+    model: nnx.Module,
+    *args: Any,
+    noise_key: Any = None,
+    example_mask: Any = None,
+    num_real_microbatches: Any = None,
+    **kwargs: Any,
+  ) -> Any:
+    graphdef, params, rest = _params_alone(model, wrt)
+    nodes = [
+      type(a).__name__ for a in (*args, *kwargs.values()) if nnx.graph.is_graph_node(a)
+    ]
+    if nodes:
+      raise ValueError(
+        f"jaccum.nnx.dp_value_and_grad takes arrays after the model, got graph "
+        f"nodes ({', '.join(nodes)}): their state would be threaded through the "
+        f"examples. Pass a key for dropout (rng_argnum) instead of nnx.Rngs."
+      )
+    if not args:
+      raise ValueError("called with the model only; pass the batch after it.")
+
+    def pure_loss(params, *args, **kwargs):
+      return loss_fn(nnx.merge(graphdef, params, rest, copy=True), *args, **kwargs)
+
+    batch = (
+      tuple(range(1, len(args) + 1)) if given is None else base.accumulate.batch_argnums
+    )
+    if given is None and base.accumulate.rng_argnum is not None:
+      batch = tuple(
+        i for i in batch if i != base.accumulate.rng_argnum % (len(args) + 1)
+      )
+    this = base.replace(
+      clipping=base.clipping._replace(loss_fn=pure_loss),
+      accumulate=base.accumulate.replace(
+        batch_argnums=batch, on_mesh=_with_specs(on_mesh, params)
+      ),
+    )
+    return private.run(
+      this, (params, *args), kwargs, noise_key, example_mask, num_real_microbatches
+    )
+
+  return step

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_trees_close, max_rel_error
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaccum
 import jaccum.inspect
-from jaccum._pipeline.tables import _Ticks, zero_bubble_tables
+from jaccum._pipeline import backward
+from jaccum._pipeline.tables import COLUMNS, _Ticks, zero_bubble_tables
 from jaccum._planning import hlo_cost as _hlo_cost
 
 NUM_STAGES = 4
@@ -57,7 +59,14 @@ SCHEDULES = {
   "1f1b+remat×2": ({"schedule": "1f1b", "remat": True}, True, 2),
   "zb-h1": ({"schedule": "zb-h1"}, True, 1),
   "zb-h1+remat": ({"schedule": "zb-h1", "remat": True}, True, 1),
+  "zb-v": ({"schedule": "zb-v"}, True, 2),
+  "zb-v+remat": ({"schedule": "zb-v", "remat": True}, True, 2),
 }
+
+
+def v_shaped(schedule):
+  """Does `schedule` (a name of SCHEDULES) place its stages in ZB-V's V?"""
+  return SCHEDULES[schedule][0].get("schedule") == "zb-v"
 
 
 def make_mesh(name, axis_type=AxisType.Auto):
@@ -100,20 +109,35 @@ def make_problem(mesh, dtype, num_chunks=1):
   return params, x, t
 
 
-def stacked(tree, num_chunks):
-  """`[L, ...]` leaves as `[V, S, ...]`, stage v·S + s at [v, s]."""
+def stacked(tree, num_chunks, v_shape=False):
+  """`[L, ...]` leaves as `[V, S, ...]`, stage v·S + s at [v, s]; with
+  `v_shape` (ZB-V), stage s at [0, s] and 2S − 1 − s at [1, s]."""
   if num_chunks == 1:
     return tree
-  return jax.tree.map(lambda a: a.reshape(num_chunks, NUM_STAGES, *a.shape[1:]), tree)
+
+  def stack(a):
+    a = a.reshape(num_chunks, NUM_STAGES, *a.shape[1:])
+    return jnp.stack([a[0], a[1, ::-1]]) if v_shape else a
+
+  return jax.tree.map(stack, tree)
 
 
-def flat(tree, num_chunks):
-  """`[V, S, ...]` leaves as `[L, ...]` (fetched first outside jit: on an
-  explicit mesh the reshape would need a sharding for its result)."""
+def flat(tree, num_chunks, v_shape=False):
+  """`[V, S, ...]` leaves as `[L, ...]`, undoing `stacked` (fetched first
+  outside jit: on an explicit mesh the reshape would need a sharding for its
+  result)."""
   if num_chunks == 1:
     return tree
   fetch = lambda a: a if isinstance(a, jax.core.Tracer) else np.asarray(a)
-  return jax.tree.map(lambda a: fetch(a).reshape(-1, *a.shape[2:]), tree)
+
+  def unstack(a):
+    a = fetch(a)
+    if v_shape:
+      xp = jnp if isinstance(a, jax.core.Tracer) else np
+      a = xp.stack([a[0], a[1, ::-1]])
+    return a.reshape(-1, *a.shape[2:])
+
+  return jax.tree.map(unstack, tree)
 
 
 def sequential(
@@ -224,12 +248,13 @@ def check_against_sequential(
   mesh_name, dtype, num_microbatches, schedule, *, jit=True, axis_type=AxisType.Auto
 ):
   mesh = make_mesh(mesh_name, axis_type)
-  num_chunks = SCHEDULES[schedule][2]
+  num_chunks, v_shape = SCHEDULES[schedule][2], v_shaped(schedule)
   params, x, t = make_problem(mesh, dtype, num_chunks)
   pipelined, reference = steps(mesh, num_microbatches, schedule)
   expected = jax.device_get(jax.jit(reference)(params, x, t))
-  actual = (jax.jit(pipelined) if jit else pipelined)(stacked(params, num_chunks), x, t)
-  actual = (actual[0], (flat(actual[1][0], num_chunks), *actual[1][1:]))
+  params = stacked(params, num_chunks, v_shape)
+  actual = (jax.jit(pipelined) if jit else pipelined)(params, x, t)
+  actual = (actual[0], (flat(actual[1][0], num_chunks, v_shape), *actual[1][1:]))
   rtol = RTOL[dtype]
   assert_trees_close(actual, expected, rtol)
   return max_rel_error(actual, expected)
@@ -251,8 +276,11 @@ FLOAT64_CASES = [
   ("data×stage", KS, "gpipe+remat×2"),
   *[("data×stage", k, "1f1b×2") for k in (KS, KODD)],
   ("data×stage", KODD, "1f1b+remat×2"),
+  ("stage", K1, "zb-v"),
+  *[("data×stage", k, "zb-v") for k in (KS, KODD)],
+  ("data×stage", KODD, "zb-v+remat"),
 ]
-FLOAT32_CASES = [("data×stage", K2S, s) for s in ("gpipe", "1f1b×2")]
+FLOAT32_CASES = [("data×stage", K2S, s) for s in ("gpipe", "1f1b×2", "zb-v")]
 
 
 @pytest.mark.parametrize(("mesh_name", "num_microbatches", "schedule"), FLOAT64_CASES)
@@ -271,7 +299,7 @@ def test_without_jit(schedule):
   check_against_sequential("stage", jnp.float32, NUM_STAGES, schedule, jit=False)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b×2"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b×2", "zb-v"])
 def test_explicit_mesh_axes(schedule):
   check_against_sequential(
     "data×stage", jnp.float32, 2 * NUM_STAGES, schedule, axis_type=AxisType.Explicit
@@ -371,10 +399,10 @@ def test_zero_bubble_schedule_runs_each_pass_once_after_what_it_needs(num_stages
     if num_microbatches >= S:
       assert schedule.num_ticks == 3 * num_microbatches + S - 1
       assert schedule.idle == pytest.approx((S - 1) / (3 * num_microbatches + S - 1))
-      # The loop's rings: S slots from F to B, F to W and B to W; what
-      # arrives is used before the next arrival.
+      # The loop's rings: S slots from F to B, F to W and B to W; the
+      # inbox holds an activation and a cotangent, and a spare slot.
       sizes = zero_bubble_tables(schedule).sizes
-      assert sizes == {"x": 1, "cotangent": 1, "fb": S, "fw": S, "bw": S}
+      assert sizes == {"inbox": min(S + 1, 3), "fb": S, "fw": S, "bw": S}
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2])
@@ -406,14 +434,20 @@ def test_schedule_of_gpipe_and_1f1b_is_their_loops_arithmetic(num_chunks):
 def test_zero_bubble_idle_at_four_stages_and_eight_microbatches():
   """The issue's target: at S = 4, K = 8, ZB-H1 idles 3/27 = 11.1% of the
   device-ticks (≤ 12%), 1F1B 3/11 = 27.3%, 1F1B with two virtual stages
-  3/19 = 15.8%."""
-  idle = lambda name, v=1: (
-    jaccum.pipeline_schedule(4, 8, schedule=name, num_virtual_stages=v).idle
+  3/19 = 15.8%, ZB-V 3/51 = 5.9%: the least any schedule of ticks of one
+  half-stage pass each can idle, since the last device's first F comes
+  S − 1 ticks after the first device's (issue 39 asked ≤ 5%, which K ≥ 10
+  reaches: 3/63 = 4.8%)."""
+  idle = lambda name, v=1, k=8: (
+    jaccum.pipeline_schedule(4, k, schedule=name, num_virtual_stages=v).idle
   )
   assert idle("zb-h1") == pytest.approx(3 / 27)
   assert idle("zb-h1") <= 0.12
   assert idle("1f1b") == pytest.approx(3 / 11)
   assert idle("1f1b", 2) == pytest.approx(3 / 19)
+  assert idle("zb-v", 2) == pytest.approx(3 / 51)
+  assert idle("zb-v", 2, 10) == pytest.approx(3 / 63)
+  assert idle("zb-v", 2, 10) < 0.05
 
 
 def second_derivatives(loss, params, x, t):
@@ -438,18 +472,26 @@ def second_derivatives(loss, params, x, t):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
 def test_second_derivatives_through_the_gradient_schedules(schedule):
   """Their gradient is a custom VJP whose forward rule runs the schedule's
   loop, plain JAX that can itself be differentiated: whatever differentiates
   the gradient matches the sequential model in float64. The loss itself has
   no forward mode (the pipeline guide says so)."""
+  options, _, num_chunks = SCHEDULES[schedule]
   with jax.enable_x64(True):
     mesh = make_mesh("data×stage")
-    params, x, t = make_problem(mesh, jnp.float64)
-    pipe = jaccum.pipeline(
-      stage_fn, KS, mesh=mesh, data_axes=("data",), schedule=schedule, loss_fn=loss_fn
+    params, x, t = make_problem(mesh, jnp.float64, num_chunks)
+    pipelined = jaccum.pipeline(
+      stage_fn,
+      KS,
+      mesh=mesh,
+      data_axes=("data",),
+      loss_fn=loss_fn,
+      num_virtual_stages=num_chunks,
+      **options,
     )
+    pipe = lambda p, x, t: pipelined(stacked(p, num_chunks, v_shaped(schedule)), x, t)
     reference = functools.partial(
       sequential, stage_fn, shards=2, num_microbatches=KS, loss=loss_fn
     )
@@ -479,6 +521,19 @@ def test_second_derivatives_through_the_gradient_schedules(schedule):
       r"runs one stage per device, but num_virtual_stages=2",
     ),
     ((4, 4), {"num_virtual_stages": True}, TypeError, r"num_virtual_stages must"),
+    (
+      (4, 4),
+      {"schedule": "zb-v"},
+      ValueError,
+      r'schedule="zb-v" runs two stages per device, placed in a V, but '
+      r"num_virtual_stages=1: pass num_virtual_stages=2",
+    ),
+    (
+      (4, 4),
+      {"schedule": "zb-v", "num_virtual_stages": 3},
+      ValueError,
+      r"but num_virtual_stages=3",
+    ),
   ],
 )
 def test_error_pipeline_schedule(args, options, error, message):
@@ -555,6 +610,202 @@ def test_zero_bubble_matches_sequential_loop_and_1f1b(
       assert_trees_close(actual, grad(pipelined("1f1b"))(params, x, t), 1e-12)
 
 
+# --- ZB-V: two chunks per device, in a V ----------------------------------------------
+
+
+def v_stage(num_stages, device, chunk):
+  """ZB-V's placement, written out: chunk 0 of device s is stage s, chunk 1
+  stage 2S − 1 − s."""
+  return device if chunk == 0 else 2 * num_stages - 1 - device
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 8])
+def test_zb_v_schedule_runs_each_pass_once_after_what_it_needs(num_stages):
+  """ZB-V: one of F, B and W per device and tick; each micro-batch's F, B and
+  W once on each of the 2S stages, device s holding stages s and 2S − 1 − s;
+  F after the previous stage's F, B after the next stage's B (on the last
+  stage, on device 0, after its F), W after its B, each in an earlier tick.
+  A device holds at most 2S chunk micro-batches between F and W (S whole
+  stages, 1F1B's first stage), and for K ≥ S the step takes 6K + S − 1
+  ticks (the S − 1 ticks before the last device's first F, then its 6K
+  passes without a gap, the fewest possible) up to S = 4 and at K = 8S; at
+  S = 8 and K = S + 1, 4 ticks more."""
+  S = num_stages
+  for num_microbatches in sorted({1, S, S + 1, 3 * S + 1, 8 * S}):
+    schedule = jaccum.pipeline_schedule(
+      S, num_microbatches, schedule="zb-v", num_virtual_stages=2
+    )
+    when = {}  # (kind, micro-batch, stage) -> tick
+    for t, tick in enumerate(schedule.ticks):
+      for s, works in enumerate(tick):
+        assert len(works) <= 1
+        for kind, k, chunk in works:
+          stage = v_stage(S, s, chunk)
+          assert (kind, k, stage) not in when
+          when[kind, k, stage] = t
+    passes, stages = range(num_microbatches), range(2 * S)
+    assert set(when) == {
+      (w, k, layer) for w in "FBW" for k in passes for layer in stages
+    }
+    for k in passes:
+      for layer in stages:
+        assert layer == 0 or when["F", k, layer] > when["F", k, layer - 1]
+        after = when["F", k, layer] if layer == 2 * S - 1 else when["B", k, layer + 1]
+        assert when["B", k, layer] > after
+        assert when["W", k, layer] > when["B", k, layer]
+    for s in range(S):
+      mine = [(k, v_stage(S, s, c)) for k in passes for c in (0, 1)]
+      for t in range(schedule.num_ticks):
+        held = [
+          1 for k, layer in mine if when["F", k, layer] <= t < when["W", k, layer]
+        ]
+        assert len(held) <= 2 * S
+    fewest = 6 * num_microbatches + S - 1
+    if num_microbatches >= S and (S <= 4 or num_microbatches == 8 * S):
+      assert schedule.num_ticks == fewest
+      assert schedule.idle == pytest.approx((S - 1) / fewest)
+    elif num_microbatches >= S:  # a few ticks more at K close to S
+      assert fewest <= schedule.num_ticks <= fewest + S // 2
+
+
+@pytest.mark.parametrize(
+  ("schedule", "num_stages", "num_microbatches"),
+  [("zb-h1", 4, 8), ("zb-h1", 2, 5), ("zb-v", 4, 8), ("zb-v", 3, 7), ("zb-v", 1, 3)],
+)
+def test_zero_bubble_tables_route_every_value(schedule, num_stages, num_microbatches):
+  """The loop's table, run symbolically: each tick every device stores the
+  messages of the tick before (its neighbours' and its own) in the inbox
+  slots the table names, then reads and writes the slots its pass names.
+  Every read finds the value the schedule says it needs (the previous
+  stage's F output, the next stage's B output, the loss's cotangent, what F
+  and B kept), never one a later store overwrote."""
+  S, K = num_stages, num_microbatches
+  v_shape = schedule == "zb-v"
+  plan = jaccum.pipeline_schedule(
+    S, K, schedule=schedule, num_virtual_stages=2 if v_shape else 1
+  )
+  tables = zero_bubble_tables(plan)
+  col = {name: i for i, name in enumerate(COLUMNS)}
+  stage = lambda s, c: v_stage(S, s, c) if v_shape else s
+  rings = {
+    name: [[None] * tables.sizes[name] for _ in range(S)]
+    for name in ("inbox", "fb", "fw", "bw")
+  }
+  sent = [None] * S  # what each device sent in the last tick: (kind, k, stage)
+  for t in range(plan.num_ticks):
+    for s in range(S):
+      sources = {"from_previous": s - 1, "from_next": s + 1, "from_self": s}
+      for source, device in sources.items():
+        message = sent[device] if 0 <= device < S else None
+        rings["inbox"][s][tables.table[t, s, col[source]]] = message
+    now = [None] * S
+    for s in range(S):
+      row = tables.table[t, s]
+      if row[col["work"]] == 0:
+        continue
+      kind = "FBW"[row[col["work"]] - 1]
+      k, layer = row[col["microbatch"]], stage(s, row[col["chunk"]])
+      assert plan.ticks[t][s] == ((kind, k, row[col["chunk"]]),)
+      slot = lambda name, s=s, row=row: rings[name][s][row[col[name]]]
+      if kind == "F":
+        assert layer == 0 or rings["inbox"][s][row[col["x"]]] == ("F", k, layer - 1)
+        for name in ("fb", "fw"):
+          rings[name][s][row[col[name]]] = (k, layer)
+        last = layer == (2 * S if v_shape else S) - 1
+        now[s] = ("B", k, layer + 1) if last else ("F", k, layer)
+      elif kind == "B":
+        assert rings["inbox"][s][row[col["cotangent"]]] == ("B", k, layer + 1)
+        assert slot("fb") == slot("fw") == (k, layer)
+        rings["bw"][s][row[col["bw"]]] = (k, layer)
+        now[s] = ("B", k, layer)
+      else:
+        assert slot("fw") == slot("bw") == (k, layer)
+    sent = now
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(4, 1), (4, 8), (3, 7)])
+def test_zb_v_forward_loop_arithmetic(num_stages, num_microbatches):
+  """Undifferentiated, ZB-V runs GPipe's forward loop over the V: micro-batch
+  k passes stage layer at tick 2k + layer, each (k, layer) once, on the device that
+  holds layer, and no device runs two forwards in a tick."""
+  ticks = _Ticks(num_stages, 2, num_microbatches, True)
+  seen = {}
+  for t in range(ticks.num_forward_ticks):
+    for s in range(num_stages):
+      k, c, active = ticks.forward(t, s)
+      if active:
+        layer = v_stage(num_stages, s, c)
+        assert ticks.stage(s, c) == layer and (k, layer) not in seen
+        seen[k, layer] = t
+  L = 2 * num_stages
+  assert seen == {
+    (k, layer): 2 * k + layer for k in range(num_microbatches) for layer in range(L)
+  }
+  assert ticks.num_forward_ticks == 2 * (num_microbatches - 1) + L
+
+
+def test_zb_v_undifferentiated_matches_the_sequential_loop():
+  """Without `grad`, ZB-V runs the forward loop over the V (its custom VJP's
+  primal): the loss, the keys each stage draws and the state it threads are
+  the sequential loop's, in float64."""
+  mesh = make_mesh("data×stage")
+  with jax.enable_x64(True):
+    params, x, t = make_problem(mesh, jnp.float64, 2)
+    state = {
+      "count": jnp.zeros((2 * NUM_STAGES,), jnp.int32),
+      "mean": jnp.zeros((2 * NUM_STAGES, WIDTH), jnp.float64),
+    }
+    key = jax.random.key(9)
+    pipe = jaccum.pipeline(
+      noisy_stage,
+      KODD,
+      mesh=mesh,
+      data_axes="data",
+      schedule="zb-v",
+      num_virtual_stages=2,
+      loss_fn=loss_fn,
+    )
+    loss, new_state = jax.jit(pipe)(
+      stacked(params, 2, True), x, t, rng=key, state=stacked(state, 2, True)
+    )
+    expected = sequential(
+      noisy_stage,
+      params,
+      x,
+      shards=2,
+      num_microbatches=KODD,
+      loss=loss_fn,
+      targets=t,
+      key=key,
+      state=state,
+    )
+    assert_trees_close((loss, flat(new_state, 2, True)), expected, 1e-12)
+    np.testing.assert_array_equal(new_state["count"], KODD)
+
+
+def test_zb_v_against_interleaved_1f1b():
+  """ZB-V and 1F1B with two stages per device compute the same gradients for
+  the same 8 stages, laid out each its way (float64, 2 data × 4 stages)."""
+  with jax.enable_x64(True):
+    mesh, params, x, t = zero_bubble_problem(NUM_STAGES, 2 * NUM_STAGES)
+    params = init_params(jax.random.key(10), jnp.float64, 2 * NUM_STAGES)
+
+    def grads(schedule, v_shape):
+      pipe = jaccum.pipeline(
+        stage_fn,
+        2 * NUM_STAGES,
+        mesh=mesh,
+        data_axes="data",
+        schedule=schedule,
+        num_virtual_stages=2,
+        loss_fn=loss_fn,
+      )
+      loss = lambda p, x, t: pipe(stacked(p, 2, v_shape), x, t)
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, x, t)
+
+    assert_trees_close(grads("zb-v", True), grads("1f1b", False), 1e-12)
+
+
 def test_zero_bubble_splits_a_scan_over_jitted_blocks():
   """A stage that scans over its blocks, each a `jax.jit` function, splits
   too: B's loop runs the blocks' matmuls to the input, W's loop those to the
@@ -617,8 +868,10 @@ def test_compiled_loop_runs_the_schedule():
     plan = jaccum.pipeline_schedule(NUM_STAGES, NUM_STAGES, schedule=schedule)
     assert loop.trip_count == plan.num_ticks
     if schedule == "zb-h1":
-      # W, or else (idle, F or B); the loss's `cond` inside F.
-      (others, weights), (idle, forward, backward), _ = loop.branches
+      # W, or else (idle, F or B); then the loss's `cond` inside F, and those
+      # that keep what F and B computed in their rings, without matmuls.
+      (others, weights), (idle, forward, backward), *rest = loop.branches
+      assert all(max(branches) == 0 for branches in rest)
       assert (idle, backward, weights) == (0, 512 * rows, 512 * rows)
       assert forward >= 512 * rows and others == max(forward, backward)
       split_backward = backward + weights
@@ -630,10 +883,84 @@ def test_compiled_loop_runs_the_schedule():
   assert flops["zb-h1"] <= flops["1f1b"]
 
 
+def test_zb_v_compiled_loop_and_flops():
+  """ZB-V's compiled step runs its schedule: a loop of `num_ticks`
+  iterations, each one of F, B (the input's cotangent) or W (the weights'),
+  512·R matmul FLOPs each for R rows, none twice. On the same 8 blocks, 2 per
+  stage for ZB-H1 and 1 per chunk for ZB-V, ZB-V's step counts at most what
+  ZB-H1's does (each tick at its costliest branch: ZB-V's 51 ticks of one
+  block against ZB-H1's 27 of two, at K = 8) and computes the same loss."""
+  mesh = make_mesh("stage")
+  num_microbatches = 2 * NUM_STAGES
+  layers, x, t = make_problem(mesh, jnp.float32, 2)
+  rows = x.shape[0] // num_microbatches
+
+  def two_blocks(params, x):
+    for i in range(2):
+      x = stage_fn(jax.tree.map(lambda a, i=i: a[i], params), x)
+    return x
+
+  paired = jax.tree.map(lambda a: a.reshape(NUM_STAGES, 2, *a.shape[1:]), layers)
+  by_schedule = {
+    "zb-h1": (two_blocks, 1, paired),
+    "zb-v": (stage_fn, 2, stacked(layers, 2, True)),
+  }
+  texts, values = {}, {}
+  for schedule, (stage, num_chunks, params) in by_schedule.items():
+    pipe = jaccum.pipeline(
+      stage,
+      num_microbatches,
+      mesh=mesh,
+      schedule=schedule,
+      num_virtual_stages=num_chunks,
+      loss_fn=loss_fn,
+    )
+    step = jax.jit(jax.value_and_grad(lambda p, x, t, pipe=pipe: pipe(p, x, t)))
+    compiled = step.lower(params, x, t).compile()
+    texts[schedule] = compiled.as_text()
+    values[schedule] = float(compiled(params, x, t)[0])
+  (loop,) = _hlo_cost.loops(texts["zb-v"])
+  plan = jaccum.pipeline_schedule(
+    NUM_STAGES, num_microbatches, schedule="zb-v", num_virtual_stages=2
+  )
+  assert loop.trip_count == plan.num_ticks == 51
+  (others, weights), (idle, forward, backward), *_ = loop.branches
+  assert (idle, backward, weights) == (0, 512 * rows, 512 * rows)
+  assert forward >= 512 * rows and others == max(forward, backward)
+  flops = {name: _hlo_cost.matmul_flops(text) for name, text in texts.items()}
+  assert flops["zb-v"] <= 1.05 * flops["zb-h1"]
+  assert values["zb-v"] == pytest.approx(values["zb-h1"], rel=1e-5)
+
+
+def test_weight_backward_computes_cheap_values_again():
+  """B hands W the values W reads of it, except those W can compute again
+  by elementwise arithmetic from what it has: `scale * ct`, from the output's
+  cotangent (which W reads anyway) and the scale (an input kept for free).
+  The parts compute what the whole does."""
+
+  def whole(scale, w_out, h, c, ct):
+    d = scale * ct
+    return (h.T @ d, jnp.sum(ct * c)), d @ w_out.T
+
+  shapes = [(), (16, 8), (4, 16), (4, 8), (4, 8)]
+  keys = jax.random.split(jax.random.key(17), len(shapes))
+  args = [jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True)]
+  program = jax.make_jaxpr(lambda *a: jax.tree.leaves(whole(*a)))(*args)
+  for free, carried in (((), 2), ((0,), 1)):
+    parts = backward.split(program, [False, False, True], through_b=[4], free=free)
+    assert parts.num_carried == carried
+    b_out = jaxpr_as_fun(parts.b)(*[args[i] for i in parts.b_inputs])
+    w_out = jaxpr_as_fun(parts.w)(*[args[i] for i in parts.w_inputs], *b_out[1:])
+    expected = jax.tree.leaves(whole(*args))
+    assert_trees_close([*w_out, b_out[0]], expected, 1e-6)
+
+
 # --- dtypes ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b", "1f1b×2", "zb-h1"])
+@pytest.mark.parametrize(
+  "schedule", ["gpipe", "gpipe+loss", "1f1b", "1f1b×2", "zb-h1", "zb-v"]
+)
 @pytest.mark.parametrize("accum_dtype", [jnp.float32, None], ids=["float32", "none"])
 def test_bfloat16_gradients_accumulate_in_float32(schedule, accum_dtype):
   """K = 1024 micro-batches of one row each add exactly 1.0 to a bias gradient:
@@ -652,10 +979,11 @@ def test_bfloat16_gradients_accumulate_in_float32(schedule, accum_dtype):
   )
   bias = jnp.zeros((num_chunks * NUM_STAGES, 1), jnp.bfloat16)
   x = jnp.zeros((num_microbatches, 1), jnp.bfloat16)
+  v_shape = v_shaped(schedule)
   if inside:
-    loss = lambda bias, x: pipe(stacked(bias, num_chunks), x, None)
+    loss = lambda bias, x: pipe(stacked(bias, num_chunks, v_shape), x, None)
   else:
-    loss = lambda bias, x: jnp.sum(pipe(stacked(bias, num_chunks), x))
+    loss = lambda bias, x: jnp.sum(pipe(stacked(bias, num_chunks, v_shape), x))
   grads = jax.jit(jax.grad(loss))(bias, x)
   assert grads.dtype == jnp.bfloat16
   expected = 1024 if accum_dtype is not None else 256
@@ -717,7 +1045,9 @@ def test_bfloat16_random_signs_against_float32_sum(schedule):
   assert max(errors) > 4
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "gpipe+loss", "1f1b+remat", "zb-h1"])
+@pytest.mark.parametrize(
+  "schedule", ["gpipe", "gpipe+loss", "1f1b+remat", "zb-h1", "zb-v"]
+)
 def test_pytree_activations_keep_their_dtypes(schedule):
   """x may be a pytree with int and bool leaves: each flows through and comes
   back in its own dtype (a bool mask stays bool, `~mask` stays a mask)."""
@@ -727,18 +1057,20 @@ def test_pytree_activations_keep_their_dtypes(schedule):
     return {"h": h, "ids": x["ids"] + 1, "mask": ~x["mask"]}
 
   mesh = make_mesh("data×stage")
-  params, h, t = make_problem(mesh, jnp.float32)
+  options, inside, num_chunks = SCHEDULES[schedule]
+  params, h, t = make_problem(mesh, jnp.float32, num_chunks)
   ids = jnp.arange(h.shape[0])
   x = {"h": h, "ids": ids, "mask": ids % 3 > 0}
-  options, inside, _ = SCHEDULES[schedule]
-  pipe = jaccum.pipeline(
+  pipelined = jaccum.pipeline(
     masked_stage,
     NUM_STAGES,
     mesh=mesh,
     data_axes="data",
     loss_fn=(lambda y, t: loss_fn(y["h"], t)) if inside else None,
+    num_virtual_stages=num_chunks,
     **options,
   )
+  pipe = lambda p, *a: pipelined(stacked(p, num_chunks, v_shaped(schedule)), *a)
   seq = functools.partial(
     sequential, masked_stage, shards=2, num_microbatches=NUM_STAGES
   )
@@ -768,7 +1100,8 @@ def test_pytree_activations_keep_their_dtypes(schedule):
 
 
 @pytest.mark.parametrize(
-  "schedule", ["gpipe+loss", "gpipe+remat×2", "1f1b", "1f1b+remat×2", "zb-h1+remat"]
+  "schedule",
+  ["gpipe+loss", "gpipe+remat×2", "1f1b", "1f1b+remat×2", "zb-h1+remat", "zb-v"],
 )
 def test_closed_over_values_get_gradients(schedule):
   """A scale shared by all stages, a table the stages and the head both use,
@@ -825,7 +1158,7 @@ def check_closed_over_values(schedule, mesh, dtype):
       loss_fn=head if inside else None,
       **options,
     )
-    params = stacked(params, num_chunks)
+    params = stacked(params, num_chunks, v_shaped(schedule))
     return pipe(params, x, t) if inside else head(pipe(params, x), t)
 
   def reference(shared, params, x, t):
@@ -920,13 +1253,14 @@ def test_keys_and_state_match_the_sequential_loop(schedule):
 
     def pipelined(params, x, t):
       out, new_state = pipe(
-        stacked(params, num_chunks),
+        stacked(params, num_chunks, v_shaped(schedule)),
         x,
         *((t,) if inside else ()),
         rng=key,
-        state=stacked(state, num_chunks),
+        state=stacked(state, num_chunks, v_shaped(schedule)),
       )
-      return (out if inside else loss_fn(out, t)), flat(new_state, num_chunks)
+      new_state = flat(new_state, num_chunks, v_shaped(schedule))
+      return (out if inside else loss_fn(out, t)), new_state
 
     def reference(params, x, t):
       run = functools.partial(
@@ -1021,7 +1355,7 @@ def test_nnx_blocks_with_batchnorm_and_dropout(schedule):
 
 
 @pytest.mark.parametrize(
-  "schedule", ["gpipe+remat", "1f1b", "1f1b+remat×2", "zb-h1+remat"]
+  "schedule", ["gpipe+remat", "1f1b", "1f1b+remat×2", "zb-h1+remat", "zb-v+remat"]
 )
 def test_user_functions_traced_once_per_compilation(schedule):
   traces = []
@@ -1053,12 +1387,14 @@ def test_user_functions_traced_once_per_compilation(schedule):
 
 
 def collectives(mesh, num_microbatches, schedule):
-  params, x, t = make_problem(mesh, jnp.float32)
+  num_chunks = SCHEDULES[schedule][2]
+  params, x, t = make_problem(mesh, jnp.float32, num_chunks)
+  params = stacked(params, num_chunks, v_shaped(schedule))
   pipelined, _ = steps(mesh, num_microbatches, schedule)
   return jaccum.inspect.collectives(jax.jit(pipelined), params, x, t)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-v"])
 def test_collectives(schedule):
   """On (data × stage): only ppermutes in the loops, a fixed number of
   reductions after them whatever K."""
@@ -1071,7 +1407,8 @@ def test_collectives(schedule):
   assert counts.all_to_all[:2] == (0, 0)
   # Inside the loops, activations (forward) and their cotangents (backward)
   # pass between neighbouring stages, and nothing else: GPipe's forward loop
-  # and backward loop have one each, 1F1B's and ZB-H1's one loop both.
+  # and backward loop have one each, 1F1B's, ZB-H1's and ZB-V's one loop
+  # both.
   assert counts.all_reduce.inside_loops == 0
   assert counts.collective_permute[:2] == (2, 0)
   # After the loops: the output's or loss's sum over the stages, the input
@@ -1149,6 +1486,15 @@ def test_error_virtual_stage_params():
     r"num_virtual_stages=2 its leading sizes must be \(V, S\) = \(2, 4\)",
   ):
     pipe(params, x)
+  pipe = jaccum.pipeline(
+    stage_fn, 4, mesh=mesh, num_virtual_stages=2, schedule="zb-v", loss_fn=loss_fn
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"must be \(V, S\) = \(2, 4\), stage s at \[0, s\] and stage "
+    r"2S − 1 − s at \[1, s\], ZB-V's V",
+  ):
+    pipe(params, x, x[:, 0])
 
 
 def test_error_axis_not_in_mesh():
@@ -1267,7 +1613,8 @@ def test_error_rng_not_a_key():
     (
       {"schedule": "interleaved"},
       ValueError,
-      r"schedule must be one of \('gpipe', '1f1b', 'zb-h1'\), got 'interleaved'",
+      r"schedule must be one of \('gpipe', '1f1b', 'zb-h1', 'zb-v'\), got "
+      r"'interleaved'",
     ),
     ({"schedule": "1f1b"}, ValueError, r'schedule="1f1b" needs loss_fn='),
     ({"schedule": "zb-h1"}, ValueError, r'schedule="zb-h1" needs loss_fn='),

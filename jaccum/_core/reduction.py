@@ -228,11 +228,17 @@ def over_devices(
   total = None if weights is None else weights.total
   if total is not None:
     to_sum.append(total)
-  to_sum = exact.psum(to_sum, axes) if to_sum else []
+  exact_sums = any(isinstance(x, exact.Acc) for x in to_sum)
+  if exact_sums:  # as integers, in the same psum; read back where finished
+    to_sum = exact.psum(to_sum, axes)
+  elif to_sum:
+    to_sum = _wire.reduced(lambda xs: jax.lax.psum(xs, axes), to_sum)
+  read = exact.as_float if exact_sums else lambda x: x
   exact_total = to_sum.pop() if total is not None else None
-  summed_sums = [exact.as_float(x) for x in to_sum[len(to_sum) - len(sums) :]]
+  summed_sums = [read(x) for x in to_sum[len(to_sum) - len(sums) :]]
   for i, value in zip(summed, to_sum[: len(fused)], strict=False):
-    values[i] = value if exact.is_exact(value) else value.astype(shares[i].dtype)
+    kept = exact_sums and exact.is_exact(value)
+    values[i] = value if kept else value.astype(shares[i].dtype)
   state_sums = iter(to_sum[len(fused) : len(to_sum) - len(sums)])
   _the_rest(plan, accs, values, skipped, weights, exact_total, ran)
   num_devices = jax.lax.axis_size(axes)
@@ -242,7 +248,7 @@ def over_devices(
   ]
   combined = Combined(
     jax.tree.unflatten(treedef, values),
-    exact.as_float(exact_total),
+    read(exact_total),
     jax.tree.unflatten(state_def, state_values),
     summed_sums,
     None,

@@ -163,14 +163,24 @@ def collective_axes(jaxpr: jex.Jaxpr) -> set[str]:
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
-  """The mesh axes one `PartitionSpec` entry names: None, a name or a tuple."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+  """The mesh axes one `PartitionSpec` entry names: None, a name or a tuple.
+
+  `P.UNCONSTRAINED` (what `vmap` gives a constraint's mapped axis) names none.
+  """
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry) if isinstance(entry, tuple | list) else ()
 
 
 def without_axes(spec: P, axes: Sequence[str]) -> P:
   """`spec` with `axes` removed: the layout of a value gathered over them."""
-  kept = [tuple(a for a in spec_axes(e) if a not in axes) or None for e in spec]
-  return P(*(e[0] if e and len(e) == 1 else e for e in kept))
+  kept = [
+    e
+    if e is P.UNCONSTRAINED
+    else tuple(a for a in spec_axes(e) if a not in axes) or None
+    for e in spec
+  ]
+  return P(*(e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in kept))
 
 
 def strip_constraints(closed: ClosedJaxpr, axes: Sequence[str]) -> ClosedJaxpr:
@@ -180,7 +190,9 @@ def strip_constraints(closed: ClosedJaxpr, axes: Sequence[str]) -> ClosedJaxpr:
   activation's batch dimension is already where `with_sharding_constraint(h,
   P("data", ...))` asks it to be, and XLA refuses a constraint that names an
   axis the loop runs manually over. What the constraint says about the other
-  axes (a "model" axis) stays.
+  axes (a "model" axis) stays. An axis left unconstrained (`vmap` leaves its
+  mapped axis so) becomes unsharded where the mesh has no other axes: XLA
+  lowers `P.UNCONSTRAINED` only where some axis is not manual.
   """
 
   def strip(eqn: JaxprEqn) -> list[JaxprEqn] | None:
@@ -190,8 +202,14 @@ def strip_constraints(closed: ClosedJaxpr, axes: Sequence[str]) -> ClosedJaxpr:
     spec = getattr(sharding, "spec", None)
     if spec is None or not {a for e in spec for a in spec_axes(e)} & set(axes):
       return None
-    new = sharding.update(spec=without_axes(spec, axes))
-    return [eqn.replace(params={**eqn.params, "sharding": new})]
+    params = dict(eqn.params)
+    spec = without_axes(spec, axes)
+    if set(getattr(sharding.mesh, "axis_names", ())) <= set(axes):
+      spec = P(*(None if e is P.UNCONSTRAINED else e for e in spec))
+      if "unconstrained_dims" in params:
+        params["unconstrained_dims"] = frozenset()
+    params["sharding"] = sharding.update(spec=spec)
+    return [eqn.replace(params=params)]
 
   return rewrite_eqns(closed, strip)
 

@@ -58,14 +58,19 @@ class Split(NamedTuple):
 
 
 def split(
-  closed: ClosedJaxpr, b_outputs: Sequence[bool], through_b: Collection[int] = ()
+  closed: ClosedJaxpr,
+  b_outputs: Sequence[bool],
+  through_b: Collection[int] = (),
+  free: Collection[int] = (),
 ) -> Split:
   """Cuts `closed` into B, the equations the outputs `b_outputs` marks need,
   and W, the other equations the other outputs need.
 
   W reads inputs itself, except those at positions `through_b` (the output's
   cotangent, which waits only until B): B hands it those, with the values of
-  its own it uses.
+  its own it uses. W computes again what B computed by elementwise
+  arithmetic or data movement from values W has (or inputs at positions
+  `free`, which cost nothing to keep), rather than being handed it.
   """
   closed = _rewritten(closed, b_outputs)
   jaxpr = closed.jaxpr
@@ -76,6 +81,8 @@ def split(
   w_eqns, _ = _needed([e for e in jaxpr.eqns if id(e) not in in_b], w_out)
   given = {v for i, v in enumerate(jaxpr.invars) if i in through_b}
   b_defined = {v for e in b_eqns for v in e.outvars} | given
+  free_vars = {v for i, v in enumerate(jaxpr.invars) if i in free and v not in given}
+  w_eqns = _recomputed(jaxpr, b_eqns, w_eqns, w_out, b_defined, free_vars)
   w_reads = _reads(w_eqns, w_out)
   carried = [v for v in _ordered(w_reads, jaxpr) if v in b_defined]
   b_reads = _reads(b_eqns, b_out + carried)
@@ -87,6 +94,67 @@ def split(
   b = _program(closed, invars(b_inputs), b_out + carried, b_eqns)
   w = _program(closed, invars(w_inputs) + carried, w_out, w_eqns)
   return Split(b, w, b_inputs, w_inputs, len(carried))
+
+
+# Primitives W computes again rather than keeping their result from B to W:
+# elementwise arithmetic and data movement, cheap beside the matmuls.
+_CHEAP = frozenset(
+  {
+    "abs",
+    "add",
+    "add_any",
+    "broadcast_in_dim",
+    "convert_element_type",
+    "copy",
+    "div",
+    "expand_dims",
+    "max",
+    "min",
+    "mul",
+    "neg",
+    "reshape",
+    "select_n",
+    "sign",
+    "squeeze",
+    "sub",
+    "transpose",
+  }
+)
+
+
+def _recomputed(
+  jaxpr: Jaxpr,
+  b_eqns: list[JaxprEqn],
+  w_eqns: list[JaxprEqn],
+  w_out: list[Any],
+  b_defined: set[Var],
+  free: set[Var],
+) -> list[JaxprEqn]:
+  """`w_eqns` and the cheap equations of B whose results W would be handed,
+  where W has every value they read (`free` inputs, the program's constants,
+  what W reads anyway): each one moved hands W one value fewer, and no more.
+  """
+  defined_by = {v: e for e in b_eqns if e.primitive.name in _CHEAP for v in e.outvars}
+  free = free | set(jaxpr.constvars)
+  moved: list[JaxprEqn] = []
+  while True:
+    reads = _reads(moved + w_eqns, w_out)
+    has = reads | free
+    movable = [
+      defined_by[v]
+      for v in _ordered(reads & b_defined, jaxpr)
+      if v in defined_by
+      and len(defined_by[v].outvars) == 1
+      and not defined_by[v].effects
+      and all(x in has for x in defined_by[v].invars if isinstance(x, Var))
+    ]
+    if not movable:
+      break
+    moved.append(movable[0])
+  if not moved:
+    return w_eqns
+  order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+  return sorted(moved + w_eqns, key=lambda e: order[id(e)])
 
 
 def _needed(

@@ -40,7 +40,12 @@ class Layout(NamedTuple):
   def ticks(self) -> _Ticks:
     """The schedule's arithmetic, which the GPipe and 1F1B loops trace."""
     plan = self.schedule
-    return _Ticks(plan.num_stages, plan.num_virtual_stages, plan.num_microbatches)
+    return _Ticks(
+      plan.num_stages,
+      plan.num_virtual_stages,
+      plan.num_microbatches,
+      plan.schedule == "zb-v",
+    )
 
   @property
   def all_axes(self) -> tuple[str, ...]:
@@ -57,7 +62,7 @@ class Layout(NamedTuple):
       return None
     ticks = self.ticks
     data = jax.lax.axis_index(self.data_axes) if self.data_axes else 0
-    stage = chunk * ticks.num_stages + jax.lax.axis_index(self.axis)
+    stage = ticks.stage(jax.lax.axis_index(self.axis), chunk)
     index = data * ticks.num_microbatches + microbatch
     return jax.random.fold_in(jax.random.fold_in(key, index), stage)
 
@@ -290,7 +295,7 @@ def total_loss(
     return jax.lax.scan(body, zero, jnp.arange(layout.ticks.num_microbatches))[0]
 
   nothing = lambda *_: jnp.zeros((), total_dtype)
-  last = jax.lax.axis_index(layout.axis) == layout.ticks.num_stages - 1
+  last = jax.lax.axis_index(layout.axis) == layout.ticks.last_device
   return jax.lax.cond(last, losses, nothing, outputs, targets).astype(dtype)
 
 
@@ -499,9 +504,10 @@ def placed(mesh: Any, specs: tuple[P, ...], inputs: tuple[Any, ...]) -> tuple[An
 
 
 def shift(tree: Any, layout: Layout, step: int) -> Any:
-  """Sends every device's `tree` to device s + step: round the ring with V > 1."""
+  """Sends every device's `tree` to device s + step: round the ring with
+  interleaved stages (V > 1, not ZB-V's V)."""
   S = layout.ticks.num_stages
-  if layout.ticks.num_chunks > 1:
+  if layout.ticks.cyclic:
     pairs = [(s, (s + step) % S) for s in range(S)]
   else:
     pairs = [(s, s + step) for s in range(S) if 0 <= s + step < S]
@@ -573,6 +579,11 @@ def with_float0(floats: Sequence[Any], like: Any) -> Any:
     ),
     like,
   )
+
+
+def zeros_like(tree: Any) -> Any:
+  """`tree` with every leaf zeros, made as `zeros` makes them."""
+  return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), dtype(a)), tree)
 
 
 def zeros(leaves: Sequence[Any]) -> list[Any]:
@@ -672,10 +683,15 @@ def stack_chunks(tree: Any, name: str, ticks: _Ticks, axis: str) -> Any:
           f"the number of stages, the size {S} of mesh axis {axis!r}. Stack "
           "the S stages' leaves on a leading axis."
         )
+      order = (
+        "stage s at [0, s] and stage 2S − 1 − s at [1, s], ZB-V's V"
+        if ticks.v_shape
+        else "stage v·S + s at [v, s]"
+      )
       raise ValueError(
         f"{where} has shape {tuple(shape)}: with num_virtual_stages={V} its "
-        f"leading sizes must be (V, S) = {lead}, stage v·S + s at [v, s] (S "
-        f"is the size of mesh axis {axis!r})."
+        f"leading sizes must be (V, S) = {lead}, {order} (S is the size of "
+        f"mesh axis {axis!r})."
       )
   return tree if V > 1 else jax.tree.map(lambda a: a[None], tree)
 

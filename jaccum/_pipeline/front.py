@@ -6,9 +6,11 @@ holds stages s, S + s, …, as in Megatron's interleaved schedule and MaxText's
 circular pipeline). Each data shard's rows are cut into K micro-batches,
 which flow through the stages in a `lax.scan` over the ticks of a schedule
 (`pipeline_schedule`): in a tick every device runs at most one stage forward
-(F) and, in 1F1B, one backward; ZB-H1 runs one of F, B (the backward to the
-stage's input) and W (to its weights). Then each device hands activations to
-the next device and cotangents to the previous one with a `ppermute`.
+(F) and, in 1F1B, one backward; ZB-H1 and ZB-V run one of F, B (the backward
+to the stage's input) and W (to its weights). Then each device hands
+activations to the next device and cotangents to the previous one with a
+`ppermute` (ZB-V, whose chunk 1 runs back up the devices, sends each the
+other way too).
 
 Everything runs in one `shard_map` over the stage and data axes, under
 `jit`. `stage_fn` and `loss_fn` are traced once, inside it, into programs
@@ -31,10 +33,11 @@ The schedules live in their own modules, sharing `common`:
   micro-batch's backward starts while later ones still go forward. A custom
   VJP: its forward rule runs that loop and returns the gradients, its
   backward rule scales them.
-- `"zb-h1"` (`zero_bubble`, with `loss_fn`): the same custom VJP around a
-  loop that runs, per tick, what the schedule's table says: F, B or W. The
-  stage's backward program is cut in two (`backward`): B sends the input's
-  cotangent on at once, W follows when the device would otherwise idle.
+- `"zb-h1"` and `"zb-v"` (`zero_bubble`, with `loss_fn`): the same custom
+  VJP around a loop that runs, per tick, what the schedule's table says: F,
+  B or W. The stage's backward program is cut in two (`backward`): B sends
+  the input's cotangent on at once, W follows when the device would
+  otherwise idle.
 """
 
 from __future__ import annotations
@@ -104,8 +107,8 @@ def pipeline(
   whole batch (D data shards). Micro-batch m holds rows m·R to (m + 1)·R − 1
   (R = N / (D × K)): each data shard cuts its block of rows into K in order.
   The head and the loss then run once per micro-batch, on the last stage,
-  instead of on the output that every stage holds; and `"1f1b"` and
-  `"zb-h1"` can start a micro-batch's backward right after its forward.
+  instead of on the output that every stage holds; and `"1f1b"`, `"zb-h1"`
+  and `"zb-v"` can start a micro-batch's backward right after its forward.
 
   Schedules, with F a stage's forward on one micro-batch and B its backward
   (B ≈ 2F; `"zb-h1"` runs it as B, to the stage's input, and W, to its
@@ -133,15 +136,25 @@ def pipeline(
     needs of B from B to W: at most S micro-batches at once, whatever K
     (with `remat`: 2F + B + W; the stage input from F to B, and what W needs
     from B to W). Needs `loss_fn` and V = 1; as `"1f1b"`, reverse mode only
-    on the loss, its gradient differentiable again. The least idle time:
-    3K + S − 1 ticks of F, B or W for K ≥ S.
+    on the loss, its gradient differentiable again. The least idle time
+    with one stage per device: 3K + S − 1 ticks of F, B or W for K ≥ S.
+  - `"zb-v"`: F + B + W, the zero-bubble schedule ZB-V of Qi et al., with
+    `num_virtual_stages=2` placed in a V: device s holds stages s and
+    2S − 1 − s, so chunk 0 runs down the devices, chunk 1 back up, and the
+    last stage and its loss are on device 0. Each pass is half a stage's; a
+    device keeps at most 2S chunk micro-batches between F and W (S whole
+    stages, as ZB-H1), its rings 2S chunk slots for what F keeps, whatever
+    K. 6K + S − 1 ticks of half a stage for K ≥ S (up to S = 4; a few more
+    at K close to S beyond), the fewest any such schedule takes. Needs
+    `loss_fn` and V = 2; as `"1f1b"`, reverse mode only on the loss.
 
   In lockstep ticks GPipe and 1F1B take (K + S − 1)(F + B); a stage is idle
   for the bubble, (S − 1) / (K + S − 1) of that. With `num_virtual_stages=V`
   each device runs V stages, each 1/V of the work, and a micro-batch goes
   round the devices V times: the bubble falls to (S − 1) / (V·K + S − 1).
   ZB-H1 idles (S − 1) / (3K + S − 1) of its ticks (F = B = W), a third of
-  1F1B's bubble; `pipeline_schedule` draws any of them.
+  1F1B's bubble, ZB-V (S − 1) / (6K + S − 1), a sixth: only the ticks before
+  the last device's first forward. `pipeline_schedule` draws any of them.
 
   Args:
     stage_fn: `stage_fn(params_l, x_mb) -> y_mb`, one stage on one
@@ -155,7 +168,7 @@ def pipeline(
       `data_axes`.
     axis: the mesh axis of the stages.
     data_axes: the mesh axes that shard the batch (e.g. `"data"`).
-    schedule: `"gpipe"`, `"1f1b"` or `"zb-h1"`, above.
+    schedule: `"gpipe"`, `"1f1b"`, `"zb-h1"` or `"zb-v"`, above.
     remat: keep only each stage's micro-batch inputs for the backward and
       recompute the rest (`jax.checkpoint`): one more forward.
     loss_fn: `loss_fn(y_mb, targets_mb) -> scalar`, the loss of one
@@ -164,7 +177,7 @@ def pipeline(
       batch, make it a sum over its rows and divide `f`'s result by the
       number of rows (or tokens).
     num_virtual_stages: stages per device, V (L = S·V stages in all); 1
-      with `"zb-h1"`.
+      with `"zb-h1"`, 2 with `"zb-v"`.
     accum_dtype: floating gradients narrower than this (bfloat16) are
       accumulated in it and cast back at the end (the stage parameters' are
       also summed over devices in it); `None` keeps their dtype. The summed
@@ -172,8 +185,11 @@ def pipeline(
 
   Returns:
     `f(stage_params, x, targets=None, *, rng=None, state=None)`. Every leaf
-    of `stage_params` has leading dimensions `[S]`, or `[V, S]` with V > 1
-    (stage v·S + s at `[v, s]`), sharded over `axis` on the S dimension.
+    of `stage_params` has leading dimensions `[S]`, or `[V, S]` with V > 1,
+    sharded over `axis` on the S dimension: `[v, s]` is what device s runs
+    as its chunk v, stage v·S + s, or with `"zb-v"` stage s at `[0, s]` and
+    stage 2S − 1 − s at `[1, s]` (from stages `[2S, ...]` in order:
+    `jnp.stack([p[:S], p[S:][::-1]])`), so that no parameter moves.
     `x` (and `targets`) are pytrees of arrays with a common leading batch
     size N, a multiple of D × K. `f` returns `y`, with `x`'s structure and
     dtypes, sharded like `x` over the data axes and replicated over `axis`;
@@ -194,8 +210,8 @@ def pipeline(
       axis or option is unknown, a mesh axis is neither `axis` nor a data
       axis, a leading size is not the number of stages, N does not split
       into D × K micro-batches, `stage_fn` changes its input's structure,
-      shape or dtype, `"1f1b"` or `"zb-h1"` has no `loss_fn`, or `"zb-h1"`
-      has V > 1.
+      shape or dtype, `"1f1b"`, `"zb-h1"` or `"zb-v"` has no `loss_fn`,
+      `"zb-h1"` has V > 1, or `"zb-v"` has V other than 2.
     TypeError: `num_microbatches` or `num_virtual_stages` is not an int (or
       is a bool), `loss_fn` does not return a floating scalar, `targets` is
       given without `loss_fn`, `rng` is not a key.
@@ -231,6 +247,19 @@ def pipeline(
     ...   grads = jax.jit(jax.grad(f))(ws, x, jnp.ones_like(x))
     ...   print(bool(jnp.allclose(grads, jax.grad(sequential_loss)(ws), atol=1e-6)))
     True
+    True
+
+    ZB-V: 2S stages, two per device in a V (stage s and 2S − 1 − s on device
+    s), so chunk 1's stages are stacked in reverse:
+
+    >>> ws8 = jnp.stack([jnp.eye(3) * (l + 2) / 8 for l in range(2 * num_stages)])
+    >>> zb_v = jaccum.pipeline(stage, 2, mesh=mesh, schedule="zb-v",
+    ...                        num_virtual_stages=2, loss_fn=loss)
+    >>> v_shaped = jnp.stack([ws8[:num_stages], ws8[num_stages:][::-1]])
+    >>> grads = jax.jit(jax.grad(zb_v))(v_shaped, x, jnp.ones_like(x))
+    >>> expected = jax.grad(sequential_loss)(ws8)
+    >>> v_expected = jnp.stack([expected[:num_stages], expected[num_stages:][::-1]])
+    >>> bool(jnp.allclose(grads, v_expected, atol=1e-6))
     True
   """
   options = _options(
@@ -330,7 +359,7 @@ def _options(
     data_axes,
     math.prod(mesh.shape[a] for a in data_axes),
     table,
-    _Ticks(table.num_stages, num_chunks, num_microbatches),
+    _Ticks(table.num_stages, num_chunks, num_microbatches, schedule == "zb-v"),
     bool(remat),
     accum,
   )
@@ -453,8 +482,8 @@ def _gradient_loop(
   param_dtypes: Any,
   args: common.Args,
 ) -> tuple[jax.Array, Any]:
-  """A device's 1F1B or ZB-H1: a custom VJP whose forward rule computes the
-  gradients.
+  """A device's 1F1B, ZB-H1 or ZB-V: a custom VJP whose forward rule computes
+  the gradients.
 
   Undifferentiated it is GPipe's forward loop and head. Differentiated, its
   forward rule runs the schedule's loop (`one_f_one_b.loop` or
@@ -466,7 +495,8 @@ def _gradient_loop(
   like = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(jnp.shape(a), common.dtype(a)), args
   )
-  loop = zero_bubble.loop if layout.schedule.schedule == "zb-h1" else one_f_one_b.loop
+  zero = layout.schedule.schedule in ("zb-h1", "zb-v")
+  loop = zero_bubble.loop if zero else one_f_one_b.loop
 
   @jax.custom_vjp
   def run(args):

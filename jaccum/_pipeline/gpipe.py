@@ -85,8 +85,15 @@ def _forward_loop(
     received, outputs, state = carry
     microbatch, chunk, active = ticks.forward(t, device)
     microbatch = jnp.clip(microbatch, 0, K - 1)
+    # ZB-V's chunk 1 takes what the next device (or, at the turn, this
+    # one) sent; the rest what the previous one sent.
+    inputs = (
+      received[0]
+      if len(received) == 1
+      else common.select(chunk == 0, received[0], received[1])
+    )
     inputs = common.select(
-      (device == 0) & (chunk == 0), common.take(xs, microbatch), received
+      ticks.is_first(device, chunk), common.take(xs, microbatch), inputs
     )
     # A device runs `stage_fn` in its idle ticks too, and what it computes
     # there goes nowhere (its cotangent is zero). Skipping it with
@@ -99,14 +106,18 @@ def _forward_loop(
     old_state = common.take_chunk(state, chunk, V)
     step_key = layout.key(key, microbatch, chunk)
     y, new_state = run_chunk(params, chunk, inputs, step_key, common.stop(old_state))
-    last = active & (device == S - 1) & (chunk == V - 1)
+    last = active & ticks.is_last(device, chunk)
     outputs = common.put(outputs, microbatch, y, last)
     new_state = common.select(active, common.stop(new_state), old_state)
     state = common.put_chunk(state, chunk, new_state, V)
-    return (common.shift(y, layout, +1), outputs, state), None
+    sent = (common.shift(y, layout, +1),)
+    if ticks.v_shape:
+      sent += (common.select(device == S - 1, y, common.shift(y, layout, -1)),)
+    return (sent, outputs, state), None
 
   outputs = jax.tree.map(jnp.zeros_like, xs)
-  carry = (common.take(xs, jnp.int32(0)), outputs, state)
+  first = common.take(xs, jnp.int32(0))
+  carry = ((first,) * (2 if ticks.v_shape else 1), outputs, state)
   steps = jnp.arange(ticks.num_forward_ticks)
   (_, outputs, state), _ = jax.lax.scan(tick, carry, steps)
   return outputs, state

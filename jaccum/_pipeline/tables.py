@@ -10,6 +10,7 @@ the same object.
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Literal, NamedTuple
 
@@ -17,10 +18,9 @@ import numpy as np
 
 from jaccum._core.microbatch import check_num_microbatches
 
-ScheduleName = Literal["gpipe", "1f1b", "zb-h1"]
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-# What runs in a tick, in the order a device runs it, and its code in the
-# zero-bubble loop's table (0 is idle).
+ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "zb-v"]
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-v")
+# What runs in a tick, and its code in the zero-bubble loop's table (0 is idle).
 KINDS = ("F", "B", "W")
 
 Work = tuple[str, int, int]  # (kind, micro-batch, chunk)
@@ -38,11 +38,11 @@ class PipelineSchedule(NamedTuple):
   device); the rest of the device-ticks are idle.
 
   Attributes:
-    schedule: `"gpipe"`, `"1f1b"` or `"zb-h1"`.
+    schedule: `"gpipe"`, `"1f1b"`, `"zb-h1"` or `"zb-v"`.
     num_stages: S, devices on the stage axis.
     num_microbatches: K, micro-batches per step (per data shard).
     num_virtual_stages: V, stages per device; chunk v of device s is stage
-      v·S + s.
+      v·S + s, but with `"zb-v"` stage s (chunk 0) and 2S − 1 − s (chunk 1).
     ticks: `ticks[t][s]`, what device s runs in tick t, in order: a tuple of
       `(kind, micro-batch, chunk)`, kind `"F"`, `"B"` or `"W"`; empty when
       the device is idle. GPipe's ticks are its forward loop's, then those of
@@ -161,12 +161,23 @@ def pipeline_schedule(
     pass their B on at once; the W held back fill the ticks at the end where
     1F1B's devices idle. A device holds at most S micro-batches between F and
     W (1F1B's lockstep loop holds up to 2S − 1 between F and B). Needs V = 1.
+  - `"zb-v"`: the zero-bubble schedule ZB-V of Qi et al., V = 2 chunks per
+    device placed in a V: device s holds stages s (chunk 0, run down the
+    devices) and 2S − 1 − s (chunk 1, back up), so the last stage and its
+    loss are on device 0, beside the first. One of F, B or W per tick, each
+    half a stage's: in every tick a device runs the ready F or B of the
+    earliest micro-batch (an F counted ⌊(S − 1)/2⌋ micro-batches early), an
+    F only while fewer than 2S of its chunks' micro-batches wait for their W
+    (1F1B's S whole stages on device 0), else a W. For K ≥ S it takes
+    6K + S − 1 ticks up to S = 4 (and at most S/2 more beyond, at K close
+    to S): the fewest possible, since the last device's first forward comes
+    S − 1 ticks after the first's. Needs V = 2.
 
   Args:
     num_stages: S, the size of the pipeline's stage axis.
     num_microbatches: K, micro-batches per step and data shard.
-    schedule: `"gpipe"`, `"1f1b"` or `"zb-h1"`.
-    num_virtual_stages: V, stages per device.
+    schedule: `"gpipe"`, `"1f1b"`, `"zb-h1"` or `"zb-v"`.
+    num_virtual_stages: V, stages per device (2 with `"zb-v"`).
 
   Returns:
     A `PipelineSchedule`: its `ticks`, `idle` share and `time`; `print` it
@@ -176,7 +187,8 @@ def pipeline_schedule(
     TypeError: `num_stages`, `num_microbatches` or `num_virtual_stages` is
       not an int (or is a bool).
     ValueError: `num_stages`, `num_microbatches` or `num_virtual_stages` is
-      below 1, `schedule` is unknown, or `"zb-h1"` has V > 1.
+      below 1, `schedule` is unknown, `"zb-h1"` has V > 1, or `"zb-v"` has
+      V other than 2.
 
   Examples:
     >>> import jaccum
@@ -188,6 +200,13 @@ def pipeline_schedule(
     1f1b: 2 stages, 3 micro-batches, 5 ticks, idle 25.0%
     device 0  F0     F1     F2B0W0 B1W1   B2W2
     device 1  .      F0B0W0 F1B1W1 F2B2W2 .
+
+    ZB-V at S = 4, K = 8: 6K + S − 1 = 51 ticks of half a stage each, idle
+    3/51 against ZB-H1's 3/27:
+
+    >>> zb_v = jaccum.pipeline_schedule(4, 8, schedule="zb-v", num_virtual_stages=2)
+    >>> zb_v.num_ticks, f"{zb_v.idle:.1%}"
+    (51, '5.9%')
   """
   num_stages = check_positive_int(num_stages, "num_stages")
   num_microbatches = check_num_microbatches(num_microbatches)
@@ -198,8 +217,10 @@ def pipeline_schedule(
     table = _gpipe_table(ticks)
   elif schedule == "1f1b":
     table = _one_f_one_b_table(ticks)
-  else:
+  elif schedule == "zb-h1":
     table = _zero_bubble_table(num_stages, num_microbatches)
+  else:
+    table = _zero_bubble_v_table(num_stages, num_microbatches)
   return PipelineSchedule(schedule, num_stages, num_microbatches, num_chunks, table)
 
 
@@ -209,8 +230,13 @@ def check_schedule(schedule: Any, num_chunks: int) -> None:
   if schedule == "zb-h1" and num_chunks > 1:
     raise ValueError(
       f'schedule="zb-h1" runs one stage per device, but num_virtual_stages='
-      f'{num_chunks}: use num_virtual_stages=1, or "1f1b" for interleaved '
-      "stages."
+      f'{num_chunks}: use num_virtual_stages=1, or "zb-v" (two stages per '
+      'device) or "1f1b" for more.'
+    )
+  if schedule == "zb-v" and num_chunks != 2:
+    raise ValueError(
+      f'schedule="zb-v" runs two stages per device, placed in a V, but '
+      f"num_virtual_stages={num_chunks}: pass num_virtual_stages=2."
     )
 
 
@@ -243,11 +269,40 @@ class _Ticks(NamedTuple):
   reverse, starting in the tick of the last stage's forward: stage l runs a
   micro-batch's backward 2(L − 1 − l) ticks after its forward. The
   arithmetic works on Python ints, NumPy and traced arrays alike.
+
+  With `v_shape` (ZB-V's placement, V = 2) chunk 0 of device s is stage s
+  and chunk 1 stage 2S − 1 − s; micro-batch k enters at tick 2k and passes
+  stage l forward at tick 2k + l, so that a device's chunk 0 runs at ticks
+  of the parity of s and its chunk 1 at the others: forwards only (GPipe's
+  loop, which the zero-bubble loop's custom VJP runs undifferentiated).
   """
 
   num_stages: int
   num_chunks: int
   num_microbatches: int
+  v_shape: bool = False
+
+  def stage(self, device: Any, chunk: Any) -> Any:
+    """The stage that chunk `chunk` of `device` holds."""
+    if self.v_shape:
+      return device + chunk * (2 * self.num_stages - 1 - 2 * device)
+    return chunk * self.num_stages + device
+
+  def is_first(self, device: Any, chunk: Any) -> Any:
+    return (device == 0) & (chunk == 0)
+
+  def is_last(self, device: Any, chunk: Any) -> Any:
+    """Does chunk `chunk` of `device` hold the last stage, the loss's?"""
+    return self.stage(device, chunk) == self.num_stages * self.num_chunks - 1
+
+  @property
+  def last_device(self) -> int:
+    return 0 if self.v_shape else self.num_stages - 1
+
+  @property
+  def cyclic(self) -> bool:
+    """Do activations pass from the last device to the first (interleaved)?"""
+    return self.num_chunks > 1 and not self.v_shape
 
   def _slot(self, offset: Any, reverse: bool) -> tuple[Any, Any, Any]:
     period = self.num_stages * self.num_chunks
@@ -260,6 +315,12 @@ class _Ticks(NamedTuple):
 
   def forward(self, tick: Any, device: Any) -> tuple[Any, Any, Any]:
     """`(micro-batch, chunk, active)` of the forward `device` runs at `tick`."""
+    if self.v_shape:
+      offset = tick - device
+      chunk = offset % 2
+      microbatch = (offset - chunk * (2 * self.num_stages - 1 - 2 * device)) // 2
+      active = (microbatch >= 0) & (microbatch < self.num_microbatches)
+      return microbatch, chunk, active
     return self._slot(tick - device, reverse=False)
 
   def backward(self, tick: Any, device: Any) -> tuple[Any, Any, Any]:
@@ -277,6 +338,8 @@ class _Ticks(NamedTuple):
 
   @property
   def num_forward_ticks(self) -> int:
+    if self.v_shape:
+      return 2 * (self.num_microbatches + self.num_stages - 1)
     last = self._start(self.num_microbatches - 1)
     return last + self.num_stages * self.num_chunks
 
@@ -348,7 +411,57 @@ def _one_f_one_b_table(ticks: _Ticks) -> tuple[tuple[tuple[Work, ...], ...], ...
   return tuple(table)
 
 
-# --- ZB-H1: one of F, B and W per tick, from each stage's order -------------------
+# --- the zero-bubble schedules: one of F, B and W per tick ---------------------
+
+Op = tuple[str, int, int, int]  # (kind, micro-batch, chunk, device)
+
+
+class _Placement(NamedTuple):
+  """Where the zero-bubble schedules' stages live, and what each pass needs.
+
+  ZB-H1: stage s on device s. ZB-V (`v_shape`): chunk 0 of device s is
+  stage s and chunk 1 stage 2S − 1 − s.
+  """
+
+  num_stages: int
+  v_shape: bool
+
+  @property
+  def num_layers(self) -> int:
+    return self.num_stages * (2 if self.v_shape else 1)
+
+  def stage(self, chunk: int, device: int) -> int:
+    return _Ticks(self.num_stages, 2, 1, self.v_shape).stage(device, chunk)
+
+  def place(self, stage: int) -> tuple[int, int]:
+    """`(chunk, device)` of `stage`."""
+    S = self.num_stages
+    return (0, stage) if stage < S else (1, 2 * S - 1 - stage)
+
+  def needs(self, work: Work, device: int) -> Op | None:
+    """What must run before `work` on `device`: F after the previous
+    stage's F, B after the next stage's B (on the last stage, after its
+    own F), W after its B."""
+    kind, k, chunk = work
+    stage = self.stage(chunk, device)
+    if kind == "F":
+      return None if stage == 0 else ("F", k, *self.place(stage - 1))
+    if kind == "B" and stage < self.num_layers - 1:
+      return ("B", k, *self.place(stage + 1))
+    return ("F" if kind == "B" else "B", k, chunk, device)
+
+  def consumer(self, work: Work, device: int) -> Op | None:
+    """What reads `work`'s output: the next stage's F, the previous stage's
+    B, or, for the last stage's F, its own B (the loss's cotangent)."""
+    kind, k, chunk = work
+    stage = self.stage(chunk, device)
+    if kind == "F" and stage == self.num_layers - 1:
+      return ("B", k, chunk, device)
+    if kind == "F":
+      return ("F", k, *self.place(stage + 1))
+    if kind == "B" and stage > 0:
+      return ("B", k, *self.place(stage - 1))
+    return None
 
 
 def _zero_bubble_order(num_stages: int, num_microbatches: int, stage: int) -> list:
@@ -376,61 +489,126 @@ def _zero_bubble_order(num_stages: int, num_microbatches: int, stage: int) -> li
   return order
 
 
-def _zero_bubble_table(
-  num_stages: int, num_microbatches: int
-) -> tuple[tuple[tuple[Work, ...], ...], ...]:
-  """Each stage runs its order, each op in the first tick after what it needs.
+Table = tuple[tuple[tuple[Work, ...], ...], ...]
+# `pick(device, counts, ready)`: what `device` runs this tick, or None;
+# `counts[kind, chunk]` says how many of those it has run (each kind and
+# chunk runs its micro-batches in order), `ready(work)` whether what `work`
+# needs ran in an earlier tick.
+Pick = Any
 
-  F of micro-batch k on stage s needs its F on stage s − 1, B needs its B on
-  stage s + 1 (on the last stage, its F), W its B on the same stage: each
-  done in an earlier tick, whose exchange brought the activation or
-  cotangent.
-  """
-  S = num_stages
-  orders = [_zero_bubble_order(S, num_microbatches, s) for s in range(S)]
-  done: dict[Work, int] = {}  # (kind, micro-batch, stage) -> tick
-  position = [0] * S
+
+def _simulate(placement: _Placement, num_microbatches: int, pick: Pick) -> Table:
+  """The ticks in which every device runs, one at a time, what `pick` chooses."""
+  S, K = placement.num_stages, num_microbatches
+  num_chunks = 2 if placement.v_shape else 1
+  done: dict[Op, int] = {}
+  counts = [dict.fromkeys(((k, c) for k in KINDS for c in range(num_chunks)), 0)]
+  counts = [dict(counts[0]) for _ in range(S)]
   table = []
-  while any(position[s] < len(orders[s]) for s in range(S)):
+  while len(done) < 3 * K * S * num_chunks:
     t = len(table)
-    row = []
-    for s in range(S):
-      work = orders[s][position[s]] if position[s] < len(orders[s]) else None
-      need = None if work is None else _needs(work, s, S)
-      if need is not None and done.get(need, t) >= t:
-        work = None
-      row.append(work)
+
+    def ready(work: Work, device: int, t: int = t) -> bool:
+      need = placement.needs(work, device)
+      return need is None or done.get(need, t) < t
+
+    row = [pick(s, counts[s], functools.partial(ready, device=s)) for s in range(S)]
     if not any(row):
-      raise AssertionError(f"ZB-H1 deadlocked at tick {t}: {position}")
+      raise AssertionError(f"the zero-bubble schedule deadlocked at tick {t}")
     for s, work in enumerate(row):
       if work is not None:
-        done[work[0], work[1], s] = t
-        position[s] += 1
+        done[(*work, s)] = t
+        counts[s][work[0], work[2]] += 1
     table.append(tuple(() if work is None else (work,) for work in row))
   return tuple(table)
 
 
-def _needs(work: Work, stage: int, num_stages: int) -> Work | None:
-  """What must run before `work` on `stage`: `(kind, micro-batch, stage)`."""
-  kind, k, _ = work
-  if kind == "F":
-    return ("F", k, stage - 1) if stage > 0 else None
-  if kind == "B":
-    return ("B", k, stage + 1) if stage < num_stages - 1 else ("F", k, stage)
-  return ("B", k, stage)
+@functools.cache
+def _zero_bubble_table(num_stages: int, num_microbatches: int) -> Table:
+  """ZB-H1: each stage runs its order, each pass in the first tick after
+  what it needs."""
+  orders = [
+    _zero_bubble_order(num_stages, num_microbatches, s) for s in range(num_stages)
+  ]
+
+  def pick(device, counts, ready):
+    order, position = orders[device], sum(counts.values())
+    work = order[position] if position < len(order) else None
+    return work if work is not None and ready(work) else None
+
+  return _simulate(_Placement(num_stages, False), num_microbatches, pick)
+
+
+@functools.cache
+def _zero_bubble_v_table(num_stages: int, num_microbatches: int) -> Table:
+  """ZB-V: in each tick, each device runs the ready F or B of the earliest
+  micro-batch, counting an F ⌊(S − 1)/2⌋ micro-batches earlier than it is
+  (a B before an F, chunk 1 before chunk 0, on a tie), and an F only while
+  fewer than 2S of its micro-batch chunks wait for their W; else a W.
+
+  B soon, because the previous stage waits for it; F a little ahead of B,
+  so that the last micro-batches' forwards reach the turn without waiting
+  behind backwards; no more chunks in flight than 1F1B's first stage holds
+  (S whole stages: 2S chunks); W, which nothing waits for, where the device
+  would otherwise idle. For S ≤ 4 and K ≥ S (and most K beyond at more
+  stages) this takes 6K + S − 1 ticks, the fewest any schedule can: the last
+  device's first F comes S − 1 ticks after the first device's.
+  """
+  S, K = num_stages, num_microbatches
+  lead = (S - 1) // 2
+
+  def pick(device, counts, ready):
+    in_flight = sum(counts["F", c] - counts["W", c] for c in (0, 1))
+    runs = [
+      (kind, counts[kind, c], c)
+      for kind in ("B", "F")
+      for c in (1, 0)
+      if counts[kind, c] < K and (kind == "B" or in_flight < 2 * S)
+    ]
+    runs = [w for w in runs if ready(w)]
+    if runs:
+      return min(runs, key=lambda w: (w[1] - lead * (w[0] == "F"), w[0] == "F"))
+    weights = [("W", counts["W", c], c) for c in (1, 0) if counts["W", c] < K]
+    weights = [w for w in weights if ready(w)]
+    return min(weights, key=lambda w: w[1]) if weights else None
+
+  return _simulate(_Placement(S, True), K, pick)
+
+
+# The zero-bubble loop's table: for device s in tick t, what it runs and the
+# slots it reads and writes.
+COLUMNS = (
+  "work",  # 0 idle, else 1 + the index in KINDS
+  "microbatch",
+  "chunk",
+  "x",  # the inbox slot of F's input
+  "cotangent",  # the inbox slot of B's output cotangent
+  "fb",  # the ring slots of what waits from F to B, F to W, B to W
+  "fw",
+  "bw",
+  "from_previous",  # the inbox slots where tick t − 1's messages are stored:
+  "from_next",  # from the previous device, the next and the device itself
+  "from_self",
+)
+_SOURCES = {1: "from_previous", -1: "from_next", 0: "from_self"}
 
 
 class ZeroBubbleTables(NamedTuple):
   """A zero-bubble schedule as the loop reads it.
 
+  Every F and B output goes on at once to the device whose pass reads it
+  (`ppermute` to both neighbours, and kept for the device itself); there it
+  waits in the inbox, a ring of slots, from the tick after until the pass
+  that reads it. What a pass keeps for later waits in rings `fb` (from F to
+  B), `fw` (F to W) and `bw` (B to W). Each wait has a slot of its own for
+  its duration, ticks at both ends counted, assigned per device: a ring has
+  as many slots as one device ever holds at once. A message no pass of the
+  device reads is stored in a slot free in that tick, so that stores need
+  no condition.
+
   Attributes:
-    table: `[ticks, S]` int32: what device s runs in tick t, 0 (idle) or
-      1 + its index in `KINDS`, plus (len(KINDS) + 1) × its micro-batch.
-    sizes: for each of what waits on a device (`"x"`, `"cotangent"`: what
-      arrived, until used; `"fb"`, `"fw"`, `"bw"`: from F to B, F to W and B
-      to W), the most micro-batches that wait at once on any device: its
-      ring's slots. Micro-batches wait in order, so micro-batch k's slot
-      `k % size` holds no other while it waits.
+    table: `[ticks, S, len(COLUMNS)]` int32, as `COLUMNS` says.
+    sizes: the slots of each ring: `"inbox"`, `"fb"`, `"fw"`, `"bw"`.
   """
 
   table: np.ndarray
@@ -438,38 +616,79 @@ class ZeroBubbleTables(NamedTuple):
 
 
 def zero_bubble_tables(schedule: PipelineSchedule) -> ZeroBubbleTables:
-  """`schedule`'s table as codes, and the rings its loop needs (V = 1)."""
-  S, K = schedule.num_stages, schedule.num_microbatches
-  num_kinds = len(KINDS) + 1
-  table = np.zeros((schedule.num_ticks, S), np.int32)
-  when = {kind: np.zeros((S, K), np.int64) for kind in KINDS}
+  """`schedule`'s table as codes and slots, and the rings its loop needs."""
+  S = schedule.num_stages
+  placement = _Placement(S, schedule.schedule == "zb-v")
+  when: dict[Op, int] = {}
   for t, tick in enumerate(schedule.ticks):
     for s, works in enumerate(tick):
-      for kind, k, _ in works:
-        table[t, s] = KINDS.index(kind) + 1 + num_kinds * k
-        when[kind][s, k] = t
-  F, B, W = when["F"], when["B"], when["W"]
-  # Each wait, per device, from the tick its value is there (stored in the
-  # tick it arrives, or written after the branch that computes it) to the
-  # tick that reads it, both counted.
+      for kind, k, c in works:
+        when[kind, k, c, s] = t
+  inbox, stores = {}, {}
+  for (kind, k, c, s), t in when.items():
+    reader = None if kind == "W" else placement.consumer((kind, k, c), s)
+    if reader is not None:
+      inbox[reader] = (t + 1, when[reader])
+      stores[t + 1, reader[3], _SOURCES[reader[3] - s]] = reader
+  passes = [key[1:] for key in when if key[0] == "F"]
+  at = lambda kind, key: when[(kind, *key)]
   waits = {
-    "x": [(F[s - 1] + 1, F[s]) for s in range(1, S)],
-    "cotangent": [(B[s + 1] + 1, B[s]) for s in range(S - 1)] + [(F[-1], B[-1])],
-    "fb": [(F[s], B[s]) for s in range(S)],
-    "fw": [(F[s], W[s]) for s in range(S)],
-    "bw": [(B[s], W[s]) for s in range(S)],
+    "inbox": inbox,
+    "fb": {key: (at("F", key), at("B", key)) for key in passes},
+    "fw": {key: (at("F", key), at("W", key)) for key in passes},
+    "bw": {key: (at("B", key), at("W", key)) for key in passes},
   }
+  slots = {name: _assign_slots(w, S, schedule.num_ticks) for name, w in waits.items()}
   sizes = {
-    name: max([1] + [_most_at_once(*w) for w in w_list])
-    for name, w_list in waits.items()
+    name: max(1, int(occupied.shape[2])) for name, (_, occupied) in slots.items()
   }
+  table = np.zeros((schedule.num_ticks, S, len(COLUMNS)), np.int32)
+  column = {name: i for i, name in enumerate(COLUMNS)}
+  for (kind, k, c, s), t in when.items():
+    row = table[t, s]
+    row[: column["x"]] = KINDS.index(kind) + 1, k, c
+    for name in ("fb", "fw", "bw"):
+      row[column[name]] = slots[name][0][k, c, s]
+    row[column["x"]] = slots["inbox"][0].get(("F", k, c, s), 0)
+    row[column["cotangent"]] = slots["inbox"][0].get(("B", k, c, s), 0)
+  # A store no pass reads goes to a slot free in its tick; if none is, to
+  # one more slot.
+  occupied = slots["inbox"][1]
+  for t in range(schedule.num_ticks):
+    for s in range(S):
+      free = np.flatnonzero(~occupied[s, t])
+      spare = int(free[0]) if free.size else occupied.shape[2]
+      sizes["inbox"] = max(sizes["inbox"], spare + 1)
+      for source in _SOURCES.values():
+        reader = stores.get((t, s, source))
+        slot = spare if reader is None else slots["inbox"][0][reader]
+        table[t, s, column[source]] = slot
   return ZeroBubbleTables(table, sizes)
 
 
-def _most_at_once(starts: np.ndarray, ends: np.ndarray) -> int:
-  """The most intervals `[starts[k], ends[k]]` holding one tick; both rise with k."""
-  assert np.all(np.diff(starts) > 0) and np.all(np.diff(ends) > 0)
-  ticks = np.arange(starts.min(), ends.max() + 1)
-  begun = np.searchsorted(starts, ticks, side="right")
-  ended = np.searchsorted(ends, ticks, side="left")
-  return int((begun - ended).max())
+def _assign_slots(
+  waits: dict[Any, tuple[int, int]], num_stages: int, num_ticks: int
+) -> tuple[dict[Any, int], np.ndarray]:
+  """A slot for each wait `[start, end]` (ticks), per device (a key's last
+  element), none holding two waits in one tick.
+
+  Returns the slots, and `occupied[s, t, slot]`: is the slot of device s
+  held in tick t. Waits take, in the order they begin, the lowest slot free:
+  as many slots as the most waits at once on a device (an interval graph's
+  colouring).
+  """
+  slots: dict[Any, int] = {}
+  ends: list[list[int]] = [[] for _ in range(num_stages)]  # per slot: last end
+  for key, (start, end) in sorted(waits.items(), key=lambda item: item[1]):
+    assert start <= end, (key, start, end)
+    free = ends[key[-1]]
+    slot = next((i for i, last in enumerate(free) if last < start), len(free))
+    if slot == len(free):
+      free.append(end)
+    free[slot] = end
+    slots[key] = slot
+  size = max(len(e) for e in ends)
+  occupied = np.zeros((num_stages, num_ticks + 1, size), bool)
+  for key, (start, end) in waits.items():
+    occupied[key[-1], start : end + 1, slots[key]] = True
+  return slots, occupied

@@ -1,8 +1,9 @@
-"""ZB-H1: one loop of ticks running F, B or W, as the schedule's table says.
+"""ZB-H1 and ZB-V: one loop of ticks running F, B or W, as the schedule's table says.
 
 The stage's backward is cut in two (`backward`): B, to the stage's input,
 sends the cotangent on at once; W, to its weights, runs where the device
-would otherwise idle.
+would otherwise idle. ZB-V runs two chunks per device, placed in a V; the
+loop is the same, read from its table.
 """
 
 from __future__ import annotations
@@ -15,10 +16,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from jaccum._pipeline import backward, common
-from jaccum._pipeline.tables import (
-  KINDS,
-  zero_bubble_tables,
-)
+from jaccum._pipeline.tables import COLUMNS, KINDS, zero_bubble_tables
 
 
 class _WeightSplit:
@@ -55,12 +53,15 @@ class _WeightSplit:
     is_b = [False] * (self.num_param_grads + num_const_grads)
     # The cotangent waits until B: W gets what it reads of it through B.
     self.num_residuals = num = len(residuals.all_like)
+    per_microbatch = residuals.per_microbatch
+    # Residuals of the parameters alone are kept once, not per micro-batch:
+    # W reads them at no cost.
     self.split = backward.split(
       closed,
       is_b + [True] * self.num_input_grads,
       through_b=range(num, len(closed.jaxpr.invars)),
+      free=[i for i, depends in enumerate(per_microbatch) if not depends],
     )
-    per_microbatch = residuals.per_microbatch
     w_reads = set(self.split.w_inputs)
     self.w_kept = [i for i in self.split.w_inputs if per_microbatch[i]]
     self.b_kept = [
@@ -109,11 +110,13 @@ class _WeightSplit:
     input_grads, carried = out[: self.num_input_grads], out[self.num_input_grads :]
     return input_grads, ((fw, carried) if self.remat else carried)
 
-  def shared(self, params: Any) -> list[Any]:
-    """The residuals of the parameters alone: kept from before the loop, or
-    with remat recomputed (they take no arithmetic: weights, transposes)."""
+  def shared(self, params: Any, chunk: Any) -> list[Any]:
+    """The residuals of chunk `chunk`'s parameters `params` alone: kept from
+    before the loop, or with remat recomputed (they take no arithmetic:
+    weights, transposes)."""
     if not self.remat:
-      return common.take_chunk(self.residuals.shared, 0, 1)
+      num_chunks = self.residuals.layout.ticks.num_chunks
+      return common.take_chunk(self.residuals.shared, chunk, num_chunks)
     leaves = self.residuals.leaves(params, *self.residuals.example[1:])[2]
     return [leaves[i] for i in self.shared_at]
 
@@ -132,32 +135,22 @@ class _WeightSplit:
     return by_index | dict(zip(self.shared_at, shared, strict=True))
 
 
-class _Rings(NamedTuple):
-  """What waits on a device in the ZB-H1 loop, micro-batch k in slot k % size.
+class _Carry(NamedTuple):
+  """What the zero-bubble loop carries from tick to tick besides the messages.
 
-  `x` and `cotangent` are inboxes: what the neighbours sent, until the F or
-  B that uses it; on the last stage the loss's cotangent waits in
-  `cotangent` from F to B. `fb`, `fw`, `bw`: as `_WeightSplit` says.
+  `inbox`: what the neighbours (or the device itself) sent, until the F or B
+  that reads it, like the stage's input (a cotangent in its floating
+  leaves). `fb`, `fw`, `bw`: what waits for B and W, as `_WeightSplit`
+  says. Each a ring of slots, as the table assigns them (`ZeroBubbleTables`).
+  `state`: the device's chunks' state; `acc`: the sums.
   """
 
-  x: Any
-  cotangent: Any
+  inbox: Any
   fb: Any
   fw: Any
   bw: Any
-
-
-class _TickOut(NamedTuple):
-  """What a ZB-H1 tick's F, B, W or idle branch returns."""
-
-  y: Any  # sent to the next stage
-  input_grads: Any  # sent to the previous stage
   state: Any
-  fb: Any
-  fw: Any
-  bw: Any
-  head: Any  # `common.head_branches`' result
-  sums: Any
+  acc: common.Accumulators
 
 
 def loop(
@@ -167,14 +160,16 @@ def loop(
   param_dtypes: Any,
   args: common.Args,
 ) -> tuple[jax.Array, Any, tuple[list[Any], ...]]:
-  """The ZB-H1 loop on one device; it returns what `one_f_one_b.loop` does.
+  """The ZB-H1 or ZB-V loop on one device; it returns what `one_f_one_b.loop`
+  does.
 
-  In each tick a device runs one of F, B and W, as the schedule's table says
-  (`zero_bubble_tables`): F keeps what B and W need, the last stage's F also
-  the loss and its cotangent; B computes the input's cotangent, sent on at
-  once, and hands W what it needs; W adds the weights' gradients to the
-  sums. What waits between them, and what arrives before the tick that uses
-  it, waits in rings (`_Rings`).
+  In each tick a device stores the messages its neighbours and itself sent
+  in the last tick, then runs one of F, B and W, as the schedule's table
+  says (`zero_bubble_tables`), and sends what it computed to both
+  neighbours: F keeps what B and W need, the last stage's F also the loss's
+  cotangent; B computes the input's cotangent and keeps what W needs; W adds
+  the weights' gradients to the sums. What F and B keep goes into the
+  rings after the branch (`_tick`), where XLA updates them in place.
   """
   residuals = common.Residuals(layout, stage, param_dtypes, args)
   split = _WeightSplit(residuals)
@@ -182,89 +177,136 @@ def loop(
   first_input = residuals.first_input
 
   def ring(like, size):
-    return jax.tree.map(lambda a: jnp.zeros((size, *a.shape), a.dtype), like)
+    return jax.tree.map(lambda a: jnp.zeros((size, *jnp.shape(a)), a.dtype), like)
 
-  rings = _Rings(
+  sizes = tables.sizes
+  carry = _Carry(
+    ring(first_input, sizes["inbox"]),
     *(
-      ring(like, tables.sizes[name])
-      for name, like in zip(
-        _Rings._fields,
-        (first_input, common.floats(first_input), *split.like),
-        strict=True,
-      )
-    )
+      ring(like, sizes[name])
+      for name, like in zip(("fb", "fw", "bw"), split.like, strict=True)
+    ),
+    state=args.state,
+    acc=common.zero_accumulators(layout, head, args),
   )
-  arrived = (first_input, common.zeros(common.floats(first_input)))
-  carry = (arrived, rings, args.state, common.zero_accumulators(layout, head, args))
-  tick = _tick(layout, split, head, args, tables)
+  messages = (common.zeros_like(first_input),) * 3
+  tick = _tick(layout, split, head, args, tables.table)
   steps = jnp.arange(len(tables.table))
-  (_, _, state, acc), _ = jax.lax.scan(tick, carry, steps)
-  return acc.loss.astype(head.out_dtype), state, common.gradients(acc)
+  (_, carry), _ = jax.lax.scan(tick, (messages, carry), steps)
+  acc = carry.acc
+  return acc.loss.astype(head.out_dtype), carry.state, common.gradients(acc)
+
+
+def _as_message(floats: list[Any], like: Any) -> Any:
+  """`like`'s tree with `floats` at its floating leaves: a cotangent sent as
+  an activation is (its integer leaves are never read)."""
+  values = iter(floats)
+  return jax.tree.map(
+    lambda a: next(values) if common.is_float(common.dtype(a)) else a, like
+  )
+
+
+class _TickOut(NamedTuple):
+  """What a zero-bubble tick's F, B, W or idle branch returns."""
+
+  message: Any  # F's output (the last stage's: the loss's cotangent), B's
+  # input cotangent; zeros from W and idle.
+  fb: Any  # what F keeps for B and W, and what B keeps for W
+  fw: Any
+  bw: Any
+  state: Any  # F's new state of the chunk
+  head: Any  # the loss, and the head constants' and targets' gradients
+  sums: Any  # the gradients' sums, W's added
 
 
 def _branches(
   layout: common.Layout, split: _WeightSplit, head: common.Traced, args: common.Args
 ) -> Callable[..., _TickOut]:
-  """What a device runs in a tick: idle, F, B or W, by `work` (0, then the
-  indices of `KINDS` + 1).
+  """What a device runs in a tick, by the table's row: idle, F, B or W.
 
-  It takes `(work, params, x, key, state, rings, k, head_consts, targets,
-  sums)`: the stage's parameters, micro-batch k's input (for F) and key, the
-  stage's state, the rings (read here, written by the loop), k's targets and
-  the gradients' sums; and returns a `_TickOut`.
+  `run(row, carry)` returns a `_TickOut`; what a branch does not compute it
+  returns as zeros. Only W updates something in place, the sums: the rest
+  is written after the branch (`_tick`).
   """
+  ticks = layout.ticks
+  V = ticks.num_chunks
+  device = jax.lax.axis_index(layout.axis)
   head_grads, idle_head = common.head_branches(layout, head)
-  last = jax.lax.axis_index(layout.axis) == layout.ticks.num_stages - 1
-  first_input = split.residuals.first_input
+  residuals = split.residuals
+  targets = common.split(args.targets, ticks.num_microbatches)
+  col = {name: i for i, name in enumerate(COLUMNS)}
+  first_input = residuals.first_input
   like = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(jnp.shape(a), common.dtype(a)),
-    (first_input, common.floats(first_input), *split.like),
+    (first_input, *split.like),
   )
 
-  # What a branch does not compute it returns as zeros: XLA would copy what
-  # passed through it unchanged.
-  def out(**computed):
-    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-    names = ("y", "input_grads", "fb", "fw", "bw")
-    fields = dict(zip(names, map(zeros, like), strict=True))
-    return _TickOut(**(fields | computed))
+  def out(carry, head_out, **computed):
+    names = ("message", "fb", "fw", "bw")
+    fields = dict(zip(names, map(common.zeros_like, like), strict=True))
+    fields |= {"state": common.take_chunk(carry.state, 0, V), "head": head_out}
+    return _TickOut(
+      **(fields | {"sums": (carry.acc.params, carry.acc.stage_consts)} | computed)
+    )
 
-  def slot(ring, k):
-    leaves = jax.tree.leaves(ring)
-    return common.take(ring, k % leaves[0].shape[0]) if leaves else ring
+  def unpack(row, carry):
+    k, chunk = row[col["microbatch"]], row[col["chunk"]]
+    params = common.take_chunk(args.params, chunk, V)
+    value, _, *grads = idle_head(args.head_consts, first_input, common.take(targets, k))
+    idle_out = (value, *grads)
+    return k, chunk, params, layout.key(residuals.key, k, chunk), idle_out
 
-  def idle(params, x, key, state, rings, k, head_consts, targets, sums):
-    return out(state=state, head=idle_head(head_consts, x, targets), sums=sums)
+  def idle(row, carry):
+    return out(carry, unpack(row, carry)[-1])
 
-  def forward(params, x, key, state, rings, k, head_consts, targets, sums):
+  def forward(row, carry):
+    k, chunk, params, key, _ = unpack(row, carry)
+    x = common.select(
+      ticks.is_first(device, chunk),
+      common.take(residuals.xs, k),
+      common.take(carry.inbox, row[col["x"]]),
+    )
+    state = common.stop(common.take_chunk(carry.state, chunk, V))
     y, new_state, fb, fw = split.forward(params, x, key, state)
-    loss = jax.lax.cond(last, head_grads, idle_head, head_consts, y, targets)
-    return out(y=y, state=new_state, fb=fb, fw=fw, head=loss, sums=sums)
+    last = ticks.is_last(device, chunk)
+    value, y_grads, *grads = jax.lax.cond(
+      last, head_grads, idle_head, args.head_consts, y, common.take(targets, k)
+    )
+    # The last stage sends the loss's cotangent, to itself.
+    message = common.select(last, _as_message(y_grads, y), y)
+    head_out = (value, *grads)
+    return out(carry, head_out, message=message, fb=fb, fw=fw, state=new_state)
 
-  def input_backward(params, x, key, state, rings, k, head_consts, targets, sums):
-    fb, fw, ct = slot(rings.fb, k), slot(rings.fw, k), slot(rings.cotangent, k)
-    shared = [] if split.remat else split.shared(params)
-    input_grads, bw = split.input_backward(params, fb, fw, shared, key, ct)
-    head_out = idle_head(head_consts, x, targets)
-    return out(input_grads=input_grads, state=state, bw=bw, head=head_out, sums=sums)
+  def input_backward(row, carry):
+    _, chunk, params, key, idle_out = unpack(row, carry)
+    fb = common.take(carry.fb, row[col["fb"]])
+    fw = common.take(carry.fw, row[col["fw"]])
+    cotangent = common.floats(common.take(carry.inbox, row[col["cotangent"]]))
+    shared = [] if split.remat else split.shared(params, chunk)
+    input_grads, bw = split.input_backward(params, fb, fw, shared, key, cotangent)
+    message = _as_message(input_grads, common.zeros_like(first_input))
+    return out(carry, idle_out, message=message, bw=bw)
 
-  def weight_backward(params, x, key, state, rings, k, head_consts, targets, sums):
-    fw, bw = slot(rings.fw, k), slot(rings.bw, k)
-    grads = split.weight_backward(fw, bw, split.shared(params))
-    head_out = idle_head(head_consts, x, targets)
-    return out(state=state, head=head_out, sums=common.add_grads(sums, 0, *grads, 1))
+  def weight_backward(row, carry):
+    _, chunk, params, _, idle_out = unpack(row, carry)
+    fw = common.take(carry.fw, row[col["fw"]])
+    bw = common.take(carry.bw, row[col["bw"]])
+    grads = split.weight_backward(fw, bw, split.shared(params, chunk))
+    sums = common.add_grads(
+      (carry.acc.params, carry.acc.stage_consts), chunk, *grads, V
+    )
+    return out(carry, idle_out, sums=sums)
 
   # W adds to the sums in place in a two-way `cond` whose other branch passes
   # them through: XLA keeps them in one buffer, where a four-way `switch`
   # would copy them. XLA's cost analysis counts either as one branch.
-  def not_weight(work, *operands):
-    return jax.lax.switch(work, [idle, forward, input_backward], *operands)
+  def not_weight(row, carry):
+    work = row[col["work"]]
+    return jax.lax.switch(work, [idle, forward, input_backward], row, carry)
 
-  def run(work, *operands):
-    is_w = work == len(KINDS)
-    return jax.lax.cond(
-      is_w, lambda w, *o: weight_backward(*o), not_weight, work, *operands
-    )
+  def run(row, carry):
+    is_w = row[col["work"]] == 1 + KINDS.index("W")
+    return jax.lax.cond(is_w, weight_backward, not_weight, row, carry)
 
   return run
 
@@ -274,71 +316,74 @@ def _tick(
   split: _WeightSplit,
   head: common.Traced,
   args: common.Args,
-  tables: Any,
+  table: Any,
 ) -> Callable[..., Any]:
-  """The body of the ZB-H1 loop: store what arrived, run the tick's work,
-  keep what it computed, send."""
-  residuals = split.residuals
-  S, K = layout.ticks.num_stages, layout.ticks.num_microbatches
+  """The body of the zero-bubble loop: store what arrived, run the tick's
+  pass, keep what it computed, send."""
+  ticks = layout.ticks
+  V = ticks.num_chunks
   device = jax.lax.axis_index(layout.axis)
-  table = jnp.asarray(tables.table)
-  sizes = _Rings(*(tables.sizes[name] for name in _Rings._fields))
+  table = jnp.asarray(table)
   run = _branches(layout, split, head, args)
-  targets = common.split(args.targets, K)
-  num_kinds = len(KINDS) + 1
-
-  def arrival(t, source, kind):
-    """The micro-batch whose `kind`'s output `source` sent last tick, or -1."""
-    code = table[jnp.maximum(t - 1, 0), jnp.clip(source, 0, S - 1)]
-    sent = (t > 0) & (source >= 0) & (source < S) & (code % num_kinds == kind)
-    return jnp.where(sent, code // num_kinds, -1)
+  col = {name: i for i, name in enumerate(COLUMNS)}
+  sources = ("from_previous", "from_next", "from_self")
+  put = lambda ring, slot, value: jax.tree.map(
+    lambda r, v: jax.lax.dynamic_update_index_in_dim(r, v, slot, 0), ring, value
+  )
+  keep = lambda *rings: rings
 
   def tick(carry, t):
-    (x_arrived, ct_arrived), rings, state, acc = carry
-    code = table[t, device]
-    work, k = code % num_kinds, code // num_kinds
-    k_x, k_ct = arrival(t, device - 1, 1), arrival(t, device + 1, 2)
-    rings = rings._replace(
-      x=common.put(rings.x, k_x % sizes.x, x_arrived, k_x >= 0),
-      cotangent=common.put(
-        rings.cotangent, k_ct % sizes.cotangent, ct_arrived, k_ct >= 0
-      ),
+    messages, carry = carry
+    row = table[t, device]
+    # Every message is stored, unconditionally: one that no pass here reads
+    # goes to a slot free in this tick.
+    inbox = carry.inbox
+    for source, message in zip(sources, messages, strict=True):
+      inbox = put(inbox, row[col[source]], message)
+    carry = carry._replace(inbox=inbox)
+    out = run(row, carry)
+    work, k, chunk = row[col["work"]], row[col["microbatch"]], row[col["chunk"]]
+    is_f, is_b = work == 1 + KINDS.index("F"), work == 1 + KINDS.index("B")
+    # Written in place in two-way `cond`s that pass them through otherwise:
+    # a `where` would copy the slot, a branch writing them would copy the
+    # rings (XLA copies a buffer that one branch updates and another passes
+    # through while updating another).
+    fb, fw = jax.lax.cond(
+      is_f,
+      lambda fb, fw: (put(fb, row[col["fb"]], out.fb), put(fw, row[col["fw"]], out.fw)),
+      keep,
+      carry.fb,
+      carry.fw,
     )
-    x = common.select(
-      device == 0, common.take(residuals.xs, k), common.take(rings.x, k % sizes.x)
+    first = is_b & ticks.is_first(device, chunk)
+    grads = common.floats(out.message)
+    acc_x, bw = jax.lax.cond(
+      is_b,
+      lambda x, bw: (common.put(x, k, grads, first), put(bw, row[col["bw"]], out.bw)),
+      keep,
+      carry.acc.x,
+      carry.bw,
     )
-    old_state = common.stop(common.take_chunk(state, 0, 1))
-    out = run(
-      work,
-      common.take_chunk(args.params, 0, 1),
-      x,
-      layout.key(residuals.key, k, 0),
-      old_state,
-      rings,
-      k,
-      args.head_consts,
-      common.take(targets, k),
-      (acc.params, acc.stage_consts),
-    )
-    is_f, is_b = work == 1, work == 2
-    end = is_f & (device == S - 1)
-    value, y_grads, head_const_grads, target_grads = out.head
-    rings = rings._replace(
-      cotangent=common.put(rings.cotangent, k % sizes.cotangent, y_grads, end),
-      fb=common.put(rings.fb, k % sizes.fb, out.fb, is_f),
-      fw=common.put(rings.fw, k % sizes.fw, out.fw, is_f),
-      bw=common.put(rings.bw, k % sizes.bw, out.bw, is_b),
-    )
-    new_state = common.select(is_f, common.stop(out.state), old_state)
-    acc = common.Accumulators(
-      loss=acc.loss + value,
+    value, head_const_grads, target_grads = out.head
+    acc = carry.acc._replace(
+      loss=carry.acc.loss + value,
       params=out.sums[0],
       stage_consts=out.sums[1],
-      head_consts=jax.tree.map(jnp.add, acc.head_consts, head_const_grads),
-      x=common.put(acc.x, k, out.input_grads, is_b & (device == 0)),
-      targets=common.put(acc.targets, k, target_grads, end),
+      head_consts=jax.tree.map(jnp.add, carry.acc.head_consts, head_const_grads),
+      x=acc_x,
+      targets=common.put(
+        carry.acc.targets, k, target_grads, is_f & ticks.is_last(device, chunk)
+      ),
     )
-    sends = (common.shift(out.y, layout, +1), common.shift(out.input_grads, layout, -1))
-    return (sends, rings, common.put_chunk(state, 0, new_state, 1), acc), None
+    old_state = common.take_chunk(carry.state, chunk, V)
+    new_state = common.select(is_f, common.stop(out.state), old_state)
+    state = common.put_chunk(carry.state, chunk, new_state, V)
+    carry = _Carry(inbox, fb, fw, bw, state, acc)
+    sends = (
+      common.shift(out.message, layout, +1),
+      common.shift(out.message, layout, -1),
+      out.message,
+    )
+    return (sends, carry), None
 
   return tick

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaccum._core.rewrites import spec_axes
 from jaccum._routes.accumulate import accumulate, data_parallel
-from jaccum._routes.options import check_mesh_axes
+from jaccum._routes.mesh import check_mesh_axes
 
 if TYPE_CHECKING:
   from jaccum.inspect import MemoryStats

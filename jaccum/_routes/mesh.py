@@ -38,7 +38,6 @@ from jaccum._core import accumulators, fsdp, loop, reduction, rewrites, stats, s
 from jaccum._core.accumulators import Finish
 from jaccum._core.step import Function, Positions
 from jaccum._routes import arguments, placement
-from jaccum._routes.options import check_mesh_axes
 
 P = jax.sharding.PartitionSpec
 AxisType = jax.sharding.AxisType
@@ -402,6 +401,25 @@ def first_last_path(accs: Any) -> str | None:
     if acc.mode == "last" and acc.per_example:
       return jax.tree_util.keystr(path)
   return None
+
+
+def check_mesh_axes(axes: tuple[str, ...], mesh: Any) -> None:
+  """Raises, naming the fix, where `axes` (the batch's axes) are not the mesh's.
+
+  `axis` defaults to "data", so a mesh that names its batch axis otherwise
+  (Flax's tutorials use "batch") meets it unasked: the message says so.
+  """
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if not missing:
+    return
+  names = tuple(mesh.axis_names)
+  fix = (
+    "axis defaults to 'data': pass axis= naming the mesh axes the batch is split "
+    f"over, e.g. axis={names[0]!r}"
+    if axes == ("data",) and names
+    else f"pass axis= naming the mesh axes the batch is split over, among {names}"
+  )
+  raise ValueError(f"axis={axes} names {missing}, not axes of the mesh {mesh}; {fix}.")
 
 
 def check_mesh_and_batch(

@@ -104,25 +104,6 @@ def axis_tuple(axis_name: Any, name: str = "axis_name") -> tuple[str, ...]:
   return tuple(names)
 
 
-def check_mesh_axes(axes: tuple[str, ...], mesh: Any) -> None:
-  """Raises, naming the fix, where `axes` (the batch's axes) are not the mesh's.
-
-  `axis` defaults to "data", so a mesh that names its batch axis otherwise
-  (Flax's tutorials use "batch") meets it unasked: the message says so.
-  """
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if not missing:
-    return
-  names = tuple(mesh.axis_names)
-  fix = (
-    "axis defaults to 'data': pass axis= naming the mesh axes the batch is split "
-    f"over, e.g. axis={names[0]!r}"
-    if axes == ("data",) and names
-    else f"pass axis= naming the mesh axes the batch is split over, among {names}"
-  )
-  raise ValueError(f"axis={axes} names {missing}, not axes of the mesh {mesh}; {fix}.")
-
-
 def _fsdp_mode(fsdp_mode: Any) -> str:
   if fsdp_mode not in FSDP_MODES:
     raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}.")
