@@ -19,13 +19,18 @@ median CPU time of a step over a round.
 The fast axis carries each replica's data-parallel gradients every step in
 every method. It runs in its own process (the suite starts it).
 
-    python -m benchmarks.diloco --out results.json [--quick]
+    python -m benchmarks.diloco [--quick] [--out results.json]
+
+Writes `benchmarks/results/diloco.json` and `diloco.md` (`results/quick/`
+with `--quick`), or with `--out PATH` only the record, as JSON (the suite's
+way: `python -m benchmarks --parts diloco`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -196,12 +201,21 @@ def run(quick: bool) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a smaller model, 2 rounds")
-  parser.add_argument("--out", type=pathlib.Path, required=True, help="JSON path")
+  parser.add_argument("--out", type=pathlib.Path, help="write the record here only")
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+  load_before = os.getloadavg()[0]
   record = run(args.quick)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(record, indent=2) + "\n")
+  if args.out:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    return
+  from benchmarks import _record, report
+
+  path, _, table = _record.save_with_table(
+    "diloco", args.quick, load_before, record, report.diloco_section
+  )
+  print(f"\n{table}\nsaved {path.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
