@@ -46,14 +46,14 @@ import jaccum  # noqa: E402
 import jaccum.inspect  # noqa: E402
 
 HEADS, REPLICAS, FRAGMENTS, DELAY = 4, 4, 4, 1
-# AdamW's peak rates, searched over 3e-3, 6e-3, 1.2e-2 and 2.4e-2 at the
-# full size: 1.2e-2 is the best of them for data parallel on the whole batch
-# and for DiLoCo inside each replica.
+# AdamW's peak rates, searched over 3e-3, 6e-3, 1.2e-2 and 2.4e-2 in runs
+# of 1,024 steps: 1.2e-2 is the best of them for data parallel on the whole
+# batch and for DiLoCo inside each replica.
 DP_LEARNING_RATE = INNER_LEARNING_RATE = 1.2e-2
 # The paper's outer step, Nesterov SGD of rate 0.7 and momentum 0.9, was
-# tuned over long runs from a trained start; from scratch in 32 rounds it
-# overshoots here, and SGD without momentum of rate 1.4 (1, 1.4 and 2 tried;
-# 1 is plain averaging) does best. Both are shown.
+# tuned over long runs from a trained start; from scratch, in runs of 32
+# rounds (1,024 steps), it overshoots here, and SGD without momentum of rate
+# 1.4 (1, 1.4 and 2 tried; 1 is plain averaging) does best. Both are shown.
 OUTERS = {
   "Nesterov 0.7, 0.9": None,  # jaccum.DiLoCo's default, the paper's
   "SGD 1.4": optax.sgd(1.4),
@@ -66,8 +66,8 @@ class Size:
   dim: int = 64
   batch: int = 64  # sequences per step, all replicas together: 4,096 tokens
   sync_every: int = 32
-  steps: int = 1024
-  eval_every: int = 128
+  steps: int = 2048
+  eval_every: int = 256
 
 
 QUICK = Size(seq_len=32, dim=32, batch=32, sync_every=8, steps=16, eval_every=8)
@@ -197,7 +197,7 @@ def train(ways, size, train_data, eval_tokens):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a tiny run, for CI")
-  parser.add_argument("--steps", type=int, default=None, help="default 1,024")
+  parser.add_argument("--steps", type=int, default=None, help="default 2,048")
   parser.add_argument(
     "--out", type=pathlib.Path, default=pathlib.Path("examples/out/diloco_lm.png")
   )
