@@ -44,6 +44,11 @@ Parts, run in this order (`--parts` picks some):
   the cost model alone on the LM against its grid timed (with each point's
   page faults per step), and FSDP `shard_all`'s temporaries against
   `gather_once`'s and a hand-written ZeRO-3 loop's.
+* `diloco` (`diloco.py`, its own process): `jaccum.DiLoCo` against data
+  parallel on 8 simulated CPU devices (4 replicas × 2): the bytes a step
+  sends over each mesh axis, averaged over a round of 32 steps, the most a
+  call sends over the slow axis, the state it adds, for DiLoCo and
+  Streaming DiLoCo (4 fragments, delay 1), with a bf16 wire too.
 
 Standalone scripts, each with `--quick`, results in `results/` (`results/quick/`):
 

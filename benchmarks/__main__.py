@@ -85,6 +85,10 @@ def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
   return _in_own_process("pipeline", args)
 
 
+def _diloco(args: argparse.Namespace) -> dict[str, Any]:
+  return _in_own_process("diloco", args)
+
+
 def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
   from benchmarks import deterministic
 
@@ -136,7 +140,7 @@ def _private(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # name: how to run it. Parts run in this order, one at a time; the processes
-# of the distributed, fsdp, reduction and pipeline parts (and the
+# of the distributed, fsdp, reduction, pipeline and diloco parts (and the
 # deterministic part's bytes) are waited for before the next part starts.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "sweep": _sweep,
@@ -152,6 +156,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
   "coupled": _coupled,
   "deterministic": _deterministic,
   "overheads": _overheads,
+  "diloco": _diloco,
   "private": _private,
 }
 

@@ -778,6 +778,48 @@ def overheads_section(overheads: dict[str, Any]) -> str:
   return part.section(overheads)
 
 
+def diloco_section(diloco: dict[str, Any]) -> str:
+  def axis(row: dict[str, Any], key: str) -> str:
+    return f"{row['bytes_per_step'].get(key, 0):,.0f}"
+
+  rows = [
+    [
+      r["method"],
+      axis(r, "replica+data"),
+      axis(r, "replica"),
+      axis(r, "data"),
+      f"{r['most_per_call_slow']:,.0f}",
+      f"{r['extra_bytes_per_param']:.1f}",
+      f"{r['step_ms_cpu']:.1f}",
+    ]
+    for r in diloco["rows"]
+  ]
+  return "\n".join(
+    [
+      f"## DiLoCo: bytes per mesh axis, {diloco['devices']} simulated CPU devices\n",
+      f"{diloco['model']}, {diloco['mesh']}. Bytes a step sends per device over "
+      f"each mesh axis, averaged over a round of {diloco['sync_every']} steps "
+      "(each phase's program counted once; bf16 rows as jaccum hands them to "
+      "XLA, which widens them on CPU), the most one call sends over the slow "
+      "axis, the state DiLoCo adds per replica, and the CPU step time over a "
+      "round.\n",
+      markdown_table(
+        [
+          "method",
+          "replica+data B/step",
+          "replica B/step",
+          "data B/step",
+          "most a call, slow axis",
+          "state B/param",
+          "step ms (CPU)",
+        ],
+        rows,
+        "lrrrrrr",
+      ),
+    ]
+  )
+
+
 SECTIONS = {
   "sweep": sweep_section,
   "loop": loop_section,
@@ -792,6 +834,7 @@ SECTIONS = {
   "coupled": coupled_section,
   "deterministic": deterministic_section,
   "overheads": overheads_section,
+  "diloco": diloco_section,
   "private": lambda part: importlib.import_module("benchmarks.private").section(part),
 }
 

@@ -13,6 +13,7 @@ from jaccum._planning.points import Plan, PlanPoint, Remat
 from jaccum._routes.accumulate import accumulate, data_parallel
 from jaccum._routes.coupled import accumulate_coupled
 from jaccum._routes.private import dp_value_and_grad
+from jaccum._training.diloco import DiLoCo, DiLoCoState
 from jaccum._training.multisteps import MultiSteps, MultiStepsState
 from jaccum._training.noise_scale import NoiseScaleEMA, NoiseScaleEMAState
 from jaccum._training.powersgd import PowerSGD, PowerSGDState
@@ -30,6 +31,8 @@ __all__ = [
   "BatchSizeController",
   "BatchSizeControllerState",
   "CostModel",
+  "DiLoCo",
+  "DiLoCoState",
   "MicrobatchFit",
   "MultiSteps",
   "MultiStepsState",

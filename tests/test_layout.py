@@ -40,6 +40,7 @@ def test_public_states_pickle_as_jaccum_names():
     powersgd.init({"w": jnp.ones((4, 4))}, num_devices=2),
     jaccum.NoiseScaleEMA(decay=0.5).init(),
     controller.init(2),
+    jaccum.DiLoCo(optax.adam(1e-3), 4, axis_name="replica").init(params),
     jaccum.AccumulationStats(*(np.float32(i) for i in range(7))),
   ]
   for state in states:

@@ -1075,9 +1075,23 @@ def refuse_stats_of_summed_gradients():
   jax.jit(step)(make_params(jnp.float32), make_batch(0))
 
 
+def refuse_diloco_reduce_fn_and_reduce_dtype():
+  jaccum.DiLoCo(
+    optax.sgd(0.1),
+    4,
+    axis_name="replica",
+    reduce_fn=exact_psum,
+    reduce_dtype=jnp.bfloat16,
+  )
+
+
 # Each rule of jaccum's table (`rules.RULES`), by its name: how to meet that
 # pair, and what the message must name.
 REFUSALS = {
+  "`DiLoCo`'s `reduce_fn` × `reduce_dtype`": (
+    [refuse_diloco_reduce_fn_and_reduce_dtype],
+    r"DiLoCo's reduce_fn and reduce_dtype=bfloat16 do not combine",
+  ),
   "`reduce_fn` × `reduce_dtype`": (
     [refuse_reduce_fn_and_reduce_dtype],
     r"reduce_fn and reduce_dtype=bfloat16 do not combine",

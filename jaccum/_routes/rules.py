@@ -5,7 +5,8 @@ Each option is exact on its own; a pair of them is exact together, or a
 rule is data: the options it joins, when it fires, and what it says. Rules
 of the `"door"` stage need the options alone (`Options`, checked when a front
 is called); `"plan"` rules need the call too (`Facts`, checked by the plan
-once per trace); the wrappers and `fit_plan` check their own stages.
+once per trace); the wrappers, `fit_plan` and `DiLoCo` (its own options
+record) check their own stages.
 `tests/test_pairs.py` meets every rule of `RULES` and crosses every option
 with every other against the whole batch, so a rule that exists is tested.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
-Stage = Literal["door", "plan", "nnx", "linen", "fit_plan"]
+Stage = Literal["door", "plan", "nnx", "linen", "fit_plan", "diloco"]
 
 # What `deterministic=True`'s bins hold (`exact.MAX_PER_DEVICE`, `MAX_TERMS`).
 _MOST_PER_DEVICE, _MOST_TERMS = 512, 2**15 - 1
@@ -504,6 +505,18 @@ RULES: tuple[Rule, ...] = (
     "linen",
     bool,
     _batch_stats,
+  ),
+  Rule(
+    "`DiLoCo`'s `reduce_fn` × `reduce_dtype`",
+    "`reduce_fn` sets its wire",
+    "diloco",
+    lambda o: o.reduce_fn is not None and o.reduce_dtype is not None,
+    lambda o: (
+      f"DiLoCo's reduce_fn and reduce_dtype={o.reduce_dtype} do not "
+      "combine: reduce_fn replaces the reduction of the pseudo-gradients, so it "
+      "decides what crosses the slow axis. Cast inside reduce_fn to narrow its "
+      "wire, or drop reduce_fn to send the pseudo-gradients in reduce_dtype."
+    ),
   ),
   Rule(
     "`deterministic` × `fit_plan`'s sharded `fsdp_modes`",
