@@ -7,10 +7,11 @@ split into 4 stages (with `--virtual-stages 2`, 8 stages of one block, two
 per device); `jaccum.pipeline` runs stage s on the devices at position s of a
 `"stage"` mesh axis with K micro-batches flowing through the stages, and
 each of the 2 positions of a `"data"` axis pipelines its own half of the
-batch. With `--schedule 1f1b` (or `zb-h1`) the last stage also computes the
-head and the token-weighted loss (`loss_fn`); with GPipe they are plain JAX
-after the pipeline, its output spread over the stages by one sharding
-constraint.
+batch. With `--schedule 1f1b` (or `zb-h1`, or `zb-v` with two stages per
+device in a V: stage s and 7 − s on device s) the stage that ends the model
+also computes the head and the token-weighted loss (`loss_fn`); with GPipe
+they are plain JAX after the pipeline, its output spread over the stages by
+one sharding constraint.
 
 Each stage draws its dropout masks from the key jaccum folds with the
 micro-batch and the stage. The same model is trained unpipelined, on one
@@ -21,7 +22,7 @@ lockstep ticks (`jaccum.pipeline_schedule`), each device's share of the
 parameters, and saves the loss curves.
 
   python examples/pipeline_lm.py [--quick] [--steps N]
-      [--schedule gpipe|1f1b|zb-h1] [--virtual-stages V] [--dropout P]
+      [--schedule gpipe|1f1b|zb-h1|zb-v] [--virtual-stages V] [--dropout P]
       [--out PATH.png]
 """
 
@@ -274,13 +275,17 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a few steps, for CI")
   parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="1f1b")
+  parser.add_argument(
+    "--schedule", choices=("gpipe", "1f1b", "zb-h1", "zb-v"), default="1f1b"
+  )
   parser.add_argument("--virtual-stages", type=int, choices=(1, 2), default=1)
   parser.add_argument("--dropout", type=float, default=0.1)
   parser.add_argument("--out", default="examples/out/pipeline_lm.png")
   args = parser.parse_args()
   num_steps = args.steps or (3 if args.quick else 200)
   num_chunks = args.virtual_stages
+  if args.schedule == "zb-v" and num_chunks != 2:
+    parser.error("--schedule zb-v runs two stages per device: --virtual-stages 2")
 
   mesh = jax.make_mesh(
     (DATA, STAGES), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2
@@ -302,11 +307,14 @@ def main() -> None:
   # Each stage's blocks on its own devices; the rest (embedding, norm) and the
   # batch as plain JAX would place them: replicated, and sharded over "data".
   stage_axis = P("stage") if num_chunks == 1 else P(None, "stage")
+  stages = params["stages"]
+  if args.schedule == "zb-v":  # chunk 1 runs back up: stage 2S - 1 - s at [1, s]
+    stages = jax.tree.map(lambda a: jnp.stack([a[0], a[1][::-1]]), stages)
   pipelined_params = {
     **jax.device_put(
       {k: v for k, v in params.items() if k != "stages"}, NamedSharding(mesh, P())
     ),
-    "stages": jax.device_put(params["stages"], NamedSharding(mesh, stage_axis)),
+    "stages": jax.device_put(stages, NamedSharding(mesh, stage_axis)),
   }
   batch_sharding = NamedSharding(mesh, P("data"))
   sharded_batches = [jax.device_put(b, batch_sharding) for b in batches]
@@ -335,7 +343,7 @@ def main() -> None:
   )
   for k in (K, 4 * K):
     cells = []
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zb-v", 2)):
       schedule = jaccum.pipeline_schedule(
         STAGES, k, schedule=name, num_virtual_stages=v
       )
