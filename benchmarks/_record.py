@@ -100,3 +100,48 @@ def save_with_table(
   table = section(saved)
   path.with_suffix(".md").write_text(f"{table}\n")
   return path, saved, table
+
+
+def standalone(
+  name: str,
+  doc: str,
+  run: Callable[..., dict[str, Any]],
+  section: Callable[[], Callable[[dict[str, Any]], str]],
+  quick_help: str,
+  *,
+  rounds: bool = True,
+  devices: int | None = None,
+) -> None:
+  """A part's own command line: `python -m benchmarks.NAME [--quick]
+  [--rounds N] [--out PATH]`, its record saved with its table as
+  `results/NAME.{json,md}`, or with `--out` written there alone.
+
+  `section` returns the table's function when called (the report is
+  imported only when it is needed); `devices` simulated CPU devices are
+  set before any JAX computation.
+  """
+  import argparse
+
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help=quick_help)
+  if rounds:
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
+  parser.add_argument("--out", type=pathlib.Path, help="write the record here only")
+  args = parser.parse_args()
+  if devices is not None:
+    jax.config.update("jax_num_cpu_devices", devices)
+  load_before = os.getloadavg()[0]
+  record = run(args.quick, args.rounds) if rounds else run(args.quick)
+  if args.out:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return
+  path, _, table = save_with_table(name, args.quick, load_before, record, section())
+  print(f"\n{table}\nsaved {path.with_suffix('.md')}")
+
+
+def section(name: str) -> Callable[[dict[str, Any]], str]:
+  """The report's table function for part `name`."""
+  from benchmarks import report
+
+  return report.SECTIONS[name]

@@ -28,10 +28,6 @@ way: `python -m benchmarks --parts diloco`).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import pathlib
 import statistics
 import time
 
@@ -199,23 +195,12 @@ def run(quick: bool) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="a smaller model, 2 rounds")
-  parser.add_argument("--out", type=pathlib.Path, help="write the record here only")
-  args = parser.parse_args()
-  jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
-  load_before = os.getloadavg()[0]
-  record = run(args.quick)
-  if args.out:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    return
-  from benchmarks import _record, report
+  from benchmarks import _record
 
-  path, _, table = _record.save_with_table(
-    "diloco", args.quick, load_before, record, report.diloco_section
-  )
-  print(f"\n{table}\nsaved {path.with_suffix('.md')}")
+  _record.standalone(
+    "diloco", __doc__, run, lambda: _record.section("diloco"),
+    "a smaller model, 2 rounds", rounds=False, devices=NUM_DEVICES,
+  )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,10 +29,6 @@ own process (one device).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import pathlib
 from typing import Any
 
 import jax
@@ -244,23 +240,9 @@ def section(record: dict[str, Any]) -> str:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="quick models, K = 8")
-  parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
-  parser.add_argument("--out", type=pathlib.Path, help="write the record here only")
-  args = parser.parse_args()
-  load_before = os.getloadavg()[0]
-  record = run(args.quick, args.rounds)
-  if args.out:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    return
   from benchmarks import _record
 
-  path, _, table = _record.save_with_table(
-    "private", args.quick, load_before, record, section
-  )
-  print(f"\n{table}\nsaved {path.with_suffix('.md')}")
+  _record.standalone("private", __doc__, run, lambda: section, "quick models, K = 8")
 
 
 if __name__ == "__main__":
