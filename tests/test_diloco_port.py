@@ -23,7 +23,7 @@ state and the step (what `nnx.split(..., nnx.Param, ...)` and
 written out as drjax 0.2.1 computes them on a mesh without a "diloco" axis
 (drjax/_src/impls.py: `broadcast` is `jnp.broadcast_to` with a leading
 replica axis, `reduce_mean` is `jnp.mean` over it, `map_fn` is `jax.vmap`
-over it, unpacking a tuple argument). Where drjax is installed,
+over it, unpacking a tuple argument).
 `test_the_drjax_stand_in_is_drjax` runs the same port on drjax itself. The
 rest of MaxText (its config system, models, checkpointing) is not needed:
 the trainer takes a `train_step(state, batch, key)` and a config's fields.
@@ -593,8 +593,10 @@ def test_in_float32_both_are_as_close_to_float64_as_to_each_other():
 
 @pytest.mark.filterwarnings("ignore:jax.interpreters.pxla.thread_resources")
 def test_the_drjax_stand_in_is_drjax():
-  """The port on drjax itself (where installed) gives the stand-in's bits."""
-  drjax = pytest.importorskip("drjax")
+  """The port on drjax itself (the `test` extra installs it) gives the
+  stand-in's bits."""
+  import drjax
+
   case = CASES[1]
   _, theirs, _ = run_both(case, np.float32)
   _, real, _ = run_both(case, np.float32, drjax=drjax)
