@@ -135,9 +135,10 @@ def pipeline(
     micro-batch, the residuals B and W need from F to B or W, and what W
     needs of B from B to W: at most S micro-batches at once, whatever K
     (with `remat`: 3F + B + W, B and W each recomputing the forward, which
-    makes the lockstep step at most one F longer: nearly every tick runs a
-    B, as long, on some device; the stage input from F to W, and the
-    cotangents B hands W from B to W). Needs `loss_fn` and V = 1; as
+    for S ≥ 3 and K ≥ 2S makes the lockstep step one F longer, as nearly
+    every tick runs a B, as long, on some device, but up to a fifth longer
+    at S = 2; the stage input from F to W, and the cotangents B hands W
+    from B to W). Needs `loss_fn` and V = 1; as
     `"1f1b"`, reverse mode only on the loss, its gradient differentiable
     again. The least idle time with one stage per device: 3K + S − 1 ticks
     of F, B or W for K ≥ S.
