@@ -932,6 +932,45 @@ def test_zb_v_compiled_loop_and_flops():
   assert values["zb-v"] == pytest.approx(values["zb-h1"], rel=1e-5)
 
 
+@pytest.mark.parametrize(("schedule", "num_chunks"), [("zb-h1", 1), ("zb-v", 2)])
+def test_zero_bubble_remat_keeps_inputs_and_cotangents_for_w(schedule, num_chunks):
+  """With remat, what waits from B to W is only what B hands W, per block
+  the cotangents of its output (R·D) and of its hidden layer (R·H), not the
+  residuals W reads (as many bytes again), which W recomputes from the
+  stage's input. Against 1F1B with remat on the same 16 blocks (S = 4,
+  K = 8), ZB-H1's temporaries per device exceed 1F1B's by less than S slots
+  of those cotangents, and ZB-V's (V = 2) are at most 1F1B's with V = 2."""
+  D, H, R, K, S = 64, 512, 16, 2 * NUM_STAGES, NUM_STAGES
+  blocks = 4 // num_chunks  # per stage, or per chunk
+
+  def stage(params, x):
+    for i in range(blocks):
+      x = x + jax.nn.gelu(x @ params["w_in"][i]) @ params["w_out"][i]
+    return x
+
+  lead = (S,) if num_chunks == 1 else (num_chunks, S)
+  params = {
+    "w_in": jax.ShapeDtypeStruct((*lead, blocks, D, H), jnp.float32),
+    "w_out": jax.ShapeDtypeStruct((*lead, blocks, H, D), jnp.float32),
+  }
+  x = jax.ShapeDtypeStruct((K * R, D), jnp.float32)
+  temps = {}
+  for name in ("1f1b", schedule):
+    pipe = jaccum.pipeline(
+      stage,
+      K,
+      mesh=make_mesh("stage"),
+      schedule=name,
+      num_virtual_stages=num_chunks,
+      remat=True,
+      loss_fn=lambda y, t: jnp.sum(jnp.sin(y)),
+    )
+    step = jax.value_and_grad(lambda p, x, pipe=pipe: pipe(p, x, None), (0, 1))
+    temps[name] = jaccum.inspect.memory(step, params, x).temp_bytes
+  cotangents = S * blocks * R * (D + H) * 4 if schedule == "zb-h1" else 0
+  assert temps[schedule] - temps["1f1b"] <= cotangents, temps
+
+
 def test_weight_backward_computes_cheap_values_again():
   """B hands W the values W reads of it, except those W can compute again
   by elementwise arithmetic from what it has: `scale * ct`, from the output's

@@ -134,10 +134,14 @@ def pipeline(
     ticks where the device would otherwise idle. A device keeps, per
     micro-batch, the residuals B and W need from F to B or W, and what W
     needs of B from B to W: at most S micro-batches at once, whatever K
-    (with `remat`: 2F + B + W; the stage input from F to B, and what W needs
-    from B to W). Needs `loss_fn` and V = 1; as `"1f1b"`, reverse mode only
-    on the loss, its gradient differentiable again. The least idle time
-    with one stage per device: 3K + S − 1 ticks of F, B or W for K ≥ S.
+    (with `remat`: 3F + B + W, B and W each recomputing the forward, which
+    for S ≥ 3 and K ≥ 2S makes the lockstep step one F longer, as nearly
+    every tick runs a B, as long, on some device, but up to a fifth longer
+    at S = 2; the stage input from F to W, and the cotangents B hands W
+    from B to W). Needs `loss_fn` and V = 1; as
+    `"1f1b"`, reverse mode only on the loss, its gradient differentiable
+    again. The least idle time with one stage per device: 3K + S − 1 ticks
+    of F, B or W for K ≥ S.
   - `"zb-v"`: F + B + W, the zero-bubble schedule ZB-V of Qi et al., with
     `num_virtual_stages=2` placed in a V: device s holds stages s and
     2S − 1 − s, so chunk 0 runs down the devices, chunk 1 back up, and the

@@ -27,9 +27,11 @@ class _WeightSplit:
   W reads of it (`carried`: the cotangents of the layers' outputs); W reads
   those and residuals of its own. Per micro-batch, the residuals W reads wait
   from F to W (ring `fw`), those only B reads from F to B (`fb`), and what B
-  hands W from B to W (`bw`). With remat, `fb` holds the stage's input and
-  state, from which B recomputes the residuals, and B hands W the residuals
-  it reads with `carried`. Residuals of the parameters alone are `shared`.
+  hands W from B to W (`bw`). With remat, `fw` holds the stage's input and
+  state from F to W, from which B and W each recompute the residuals they
+  read (W's recomputation is one more forward, run in ticks whose other
+  devices run a B, itself a forward and a backward: it costs no time), and
+  B hands W only `carried`. Residuals of the parameters alone are `shared`.
   """
 
   def __init__(self, residuals: common.Residuals) -> None:
@@ -76,11 +78,7 @@ class _WeightSplit:
     ]
     kept = lambda at: [residuals.all_like[i] for i in at]
     if self.remat:
-      self.like = (
-        (first_input, residuals.kept_like[1]),
-        [],
-        (kept(self.w_kept), carried_like),
-      )
+      self.like = ([], (first_input, residuals.kept_like[1]), carried_like)
     else:
       self.like = (kept(self.b_kept), kept(self.w_kept), carried_like)
 
@@ -88,7 +86,7 @@ class _WeightSplit:
     """F: `(y, new state, what waits for B, what waits for W)`."""
     if self.remat:
       y, new_state, kept = self.residuals.forward(params, x, key, state)
-      return y, new_state, kept, []
+      return y, new_state, [], kept
     y, new_state, leaves = self.residuals.leaves(params, x, key, state)
     at = lambda indices: [leaves[i] for i in indices]
     return y, new_state, at(self.b_kept), at(self.w_kept)
@@ -98,37 +96,39 @@ class _WeightSplit:
   ) -> tuple[list[Any], Any]:
     """B: `(the input's cotangent, what waits for W)`."""
     if self.remat:
-      x, state = fb
-      leaves = self.residuals.leaves(params, x, key, state)[2]
-      fw = [leaves[i] for i in self.w_kept]
-      by_index = dict(enumerate(leaves))
+      by_index = dict(enumerate(self._recomputed(params, fw, key)))
     else:
       by_index = self._by_index(fw, shared) | dict(zip(self.b_kept, fb, strict=True))
     by_index |= dict(enumerate(cotangent, start=self.num_residuals))
     reads = [by_index[i] for i in self.split.b_inputs]
     out = jaxpr_as_fun(self.split.b)(*reads)
     input_grads, carried = out[: self.num_input_grads], out[self.num_input_grads :]
-    return input_grads, ((fw, carried) if self.remat else carried)
+    return input_grads, carried
 
-  def shared(self, params: Any, chunk: Any) -> list[Any]:
-    """The residuals of chunk `chunk`'s parameters `params` alone: kept from
-    before the loop, or with remat recomputed (they take no arithmetic:
-    weights, transposes)."""
-    if not self.remat:
-      num_chunks = self.residuals.layout.ticks.num_chunks
-      return common.take_chunk(self.residuals.shared, chunk, num_chunks)
-    leaves = self.residuals.leaves(params, *self.residuals.example[1:])[2]
-    return [leaves[i] for i in self.shared_at]
+  def shared(self, chunk: Any) -> list[Any]:
+    """The residuals of chunk `chunk`'s parameters alone, kept from before
+    the loop (without remat)."""
+    num_chunks = self.residuals.layout.ticks.num_chunks
+    return common.take_chunk(self.residuals.shared, chunk, num_chunks)
 
   def weight_backward(
-    self, fw: Any, bw: Any, shared: Any
+    self, params: Any, fw: Any, bw: Any, key: Any, chunk: Any
   ) -> tuple[list[Any], list[Any]]:
-    """W: `(the parameters' gradients, the constants')`."""
-    kept, carried = bw if self.remat else (fw, bw)
-    by_index = self._by_index(kept, shared)
+    """W: `(the parameters' gradients, the constants')`. With remat it
+    recomputes the residuals it reads from the stage's input and state."""
+    if self.remat:
+      by_index = dict(enumerate(self._recomputed(params, fw, key)))
+    else:
+      by_index = self._by_index(fw, self.shared(chunk))
     reads = [by_index[i] for i in self.split.w_inputs]
-    grads = jaxpr_as_fun(self.split.w)(*reads, *carried)
+    grads = jaxpr_as_fun(self.split.w)(*reads, *bw)
     return grads[: self.num_param_grads], grads[self.num_param_grads :]
+
+  def _recomputed(self, params: Any, kept: Any, key: Any) -> list[Any]:
+    """The residuals, recomputed from what F kept with remat: the stage's
+    input and state."""
+    x, state = kept
+    return self.residuals.leaves(params, x, key, state)[2]
 
   def _by_index(self, w_kept: list[Any], shared: list[Any]) -> dict[int, Any]:
     by_index = dict(zip(self.w_kept, w_kept, strict=True))
@@ -282,16 +282,16 @@ def _branches(
     fb = common.take(carry.fb, row[col["fb"]])
     fw = common.take(carry.fw, row[col["fw"]])
     cotangent = common.floats(common.take(carry.inbox, row[col["cotangent"]]))
-    shared = [] if split.remat else split.shared(params, chunk)
+    shared = [] if split.remat else split.shared(chunk)
     input_grads, bw = split.input_backward(params, fb, fw, shared, key, cotangent)
     message = _as_message(input_grads, common.zeros_like(first_input))
     return out(carry, idle_out, message=message, bw=bw)
 
   def weight_backward(row, carry):
-    _, chunk, params, _, idle_out = unpack(row, carry)
+    _, chunk, params, key, idle_out = unpack(row, carry)
     fw = common.take(carry.fw, row[col["fw"]])
     bw = common.take(carry.bw, row[col["bw"]])
-    grads = split.weight_backward(fw, bw, split.shared(params, chunk))
+    grads = split.weight_backward(params, fw, bw, key, chunk)
     sums = common.add_grads(
       (carry.acc.params, carry.acc.stage_consts), chunk, *grads, V
     )
