@@ -38,7 +38,7 @@ class CostModel(NamedTuple):
   a little and ranks plans the same; the wire is not overlapped either.
 
   With a cache (`cache_bytes` and `cache_bytes_per_second` both set, as
-  `calibrate()` sets them on a CPU), a step whose temporaries are
+  `calibrate()` and `default()` set them on a CPU), a step whose temporaries are
   `temp_bytes` reads the share `min(1, temp_bytes / cache_bytes)` of its
   bytes at `bytes_per_second` and the rest at `cache_bytes_per_second`: a
   small micro-batch's working set stays in the cache, where XLA's bytes
