@@ -227,21 +227,17 @@ def fit_plan(quick: bool, rounds: int) -> dict[str, Any]:
     row["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     row.pop("step_s_rounds")
   budget = max(row["peak_bytes"] for row in grid)
-  chosen = jaccum.fit_plan(
-    model.make_grad_fn,
-    *model.args,
-    memory_budget=budget,
-    candidates=model.candidates,
-    policies=model.policies,
-    cost_model=cost_model,
-  )
-  # And with nothing said: CostModel.default(), no calibration.
-  default = jaccum.fit_plan(
-    model.make_grad_fn,
-    *model.args,
-    memory_budget=budget,
-    candidates=model.candidates,
-    policies=model.policies,
+  # With the calibrated model, and with nothing said (CostModel.default()).
+  chosen, default = (
+    jaccum.fit_plan(
+      model.make_grad_fn,
+      *model.args,
+      memory_budget=budget,
+      candidates=model.candidates,
+      policies=model.policies,
+      cost_model=model_,
+    )
+    for model_ in (cost_model, None)
   )
   at = {(r["num_microbatches"], r["remat"]): r for r in grid}
   best = min(grid, key=lambda r: r["step_s"])
